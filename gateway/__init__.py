@@ -1,0 +1,1 @@
+"""The websocket gateway: tokenization, the chat template, token streams back to clients."""

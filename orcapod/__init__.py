@@ -1,0 +1,1 @@
+"""The ``orcapod`` command: a launcher over the actor packages."""

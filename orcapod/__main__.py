@@ -1,0 +1,3 @@
+from orcapod.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The scheduler: iteration-level admission decisions (pure core) and its actor."""

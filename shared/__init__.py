@@ -1,0 +1,1 @@
+"""What every orcapod actor imports: wire messages, Redis key names, settings, logging."""

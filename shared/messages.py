@@ -1,0 +1,141 @@
+"""Wire messages between the scheduler and the GPU workers.
+
+Every message is a frozen msgspec Struct with a tag (so unions decode to the
+right type) and a ``version`` field. MessagePack on Redis, one encoder.
+
+A plan is one iteration of one worker (Orca's iteration-level scheduling):
+the scheduler names, for every scheduled request, the prompt chunk it runs
+this step or that it decodes one token. The worker owns the block tables of
+its paged K/V cache; the scheduler mirrors only block *counts*
+(``ceil(tokens / block_size)``), which is enough to know exactly what fits.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+WIRE_VERSION = 1
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to pick each next token of one request.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` turn those
+    filters off. ``seed`` makes sampling repeatable; the token at generation
+    index i depends only on (seed, i) and the logits, never on the batch.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request as a worker first sees it (at admission, or again after a
+    preemption or a lost worker, when it is recomputed).
+
+    ``num_prompt_tokens`` counts every token the worker will prefill before it
+    samples: on a recompute that is the original prompt plus the
+    ``num_generated`` tokens already sent to the client, so the next sampled
+    token has generation index ``num_generated`` and ``max_tokens`` still
+    counts from the original prompt.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    num_generated: int = 0
+
+
+class PrefillChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Part (or all) of a request's prompt, written at ``start_position``.
+
+    The worker samples a token after the chunk that reaches
+    ``num_prompt_tokens``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+
+
+class StepPlan(msgspec.Struct, frozen=True, tag="step_plan", forbid_unknown_fields=True):
+    """One iteration of one worker: a single forward pass over all new tokens.
+
+    Order of effects on the worker: release ``released_request_ids`` (their
+    K/V blocks go back to the pool), register ``new_requests``, then run every
+    prefill chunk and one decode token for each of ``decode_request_ids`` (the
+    worker feeds each its last sampled token) in one selective-batched step.
+    A decode for a request the worker already finished (it may be planned
+    before the result that finished it returned: overlap) is skipped.
+    """
+
+    worker_id: str
+    epoch: int
+    step_index: int
+    new_requests: list[RequestSpec] = []
+    prefill_chunks: list[PrefillChunk] = []
+    decode_request_ids: list[str] = []
+    released_request_ids: list[str] = []
+    version: int = WIRE_VERSION
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Total tokens this step runs through the model (Orca's flattened T)."""
+        return sum(len(chunk.token_ids) for chunk in self.prefill_chunks) + len(
+            self.decode_request_ids
+        )
+
+
+class SampledToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A token sampled for one request; ``index`` is its position among the
+    request's generated tokens (0 for the first), the client's ``seq``.
+    ``finish_reason`` is set on the request's last token."""
+
+    request_id: str
+    token_id: int
+    index: int
+    finish_reason: FinishReason | None = None
+
+
+class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_fields=True):
+    """What one executed plan produced: the sampled tokens (at most one per
+    request) and how long the forward pass took."""
+
+    worker_id: str
+    epoch: int
+    step_index: int
+    tokens: list[SampledToken] = []
+    num_new_tokens: int = 0
+    step_ms: float = 0.0
+    version: int = WIRE_VERSION
+
+    @property
+    def finished_request_ids(self) -> list[str]:
+        """Requests whose last token is in this output."""
+        return [token.request_id for token in self.tokens if token.finish_reason is not None]
+
+
+WorkerMessage = StepPlan | StepOutput
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """MessagePack bytes of any wire Struct (the one encoder of the project)."""
+    return _encoder.encode(message)
+
+
+def decode_worker_message(data: bytes) -> StepPlan | StepOutput:
+    """Decode a plan or step output; raises ``msgspec.DecodeError`` /
+    ``msgspec.ValidationError`` on anything else."""
+    return _decoder.decode(data)
