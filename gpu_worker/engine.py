@@ -1,0 +1,316 @@
+"""``Engine.step(plan) -> StepOutput``: one selective-batched iteration.
+
+The engine keeps, per request it runs, how many tokens are in its K/V cache
+and what it sampled last; a plan names the work (prompt chunks, decodes) and
+the engine flattens it into one forward pass, samples, and reports tokens.
+Requests join, continue and leave between any two steps.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpu_worker.attention import (
+    AttentionBackend,
+    SequenceLayout,
+    default_backend_name,
+    make_backend,
+)
+from gpu_worker.block_allocator import blocks_for
+from gpu_worker.device import choose_device, choose_dtype
+from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
+from gpu_worker.llama import LlamaModel
+from gpu_worker.model_config import load_model_config
+from gpu_worker.sampler import sample
+from gpu_worker.weights import load_weights
+from shared.messages import FinishReason, RequestSpec, SampledToken, StepOutput, StepPlan
+
+# A decode may be planned for a request whose finishing token is still on
+# its way to the scheduler (overlap); remember that many finished ids to skip it.
+_RECENTLY_FINISHED_LIMIT = 65536
+
+
+class PlanError(ValueError):
+    """A plan the engine cannot run as given; the engine's state is unchanged."""
+
+
+@dataclass
+class _Request:
+    spec: RequestSpec
+    seed: int
+    stop_token_ids: frozenset[int]
+    num_generated: int
+    num_cached_tokens: int = 0
+    last_token_id: int | None = None
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_cached_tokens >= self.spec.num_prompt_tokens
+
+
+@dataclass
+class _Work:
+    """One request's share of a step."""
+
+    request: _Request
+    token_ids: list[int]
+    start_position: int
+    samples: bool
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    num_steps: int = 0
+    num_tokens: int = 0
+    busy_s: float = 0.0
+    step_ms_history: list[float] = field(default_factory=list)
+
+
+def load_model(model_dir: Path, device: str | None = None, dtype: str | None = None) -> LlamaModel:
+    """Load a Hugging Face-format Llama directory on the chosen device and dtype."""
+    torch_device = choose_device(device)
+    torch_dtype = choose_dtype(torch_device, dtype)
+    config = load_model_config(model_dir)
+    weights = load_weights(model_dir, config, torch_device, torch_dtype)
+    return LlamaModel(config, weights, torch_device, torch_dtype)
+
+
+class Engine:
+    """Runs plans on one model and one paged K/V cache."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_budget: KVCacheBudget | None = None,
+        attention_backend: str | None = None,
+        worker_id: str = "local",
+    ) -> None:
+        budget = kv_budget or KVCacheBudget()
+        self.model = model
+        self.worker_id = worker_id
+        num_blocks = num_blocks_for_budget(model.config, budget, model.device, model.dtype)
+        self.kv_cache = PagedKVCache(
+            model.config, num_blocks, budget.block_size, model.device, model.dtype
+        )
+        self.backend: AttentionBackend = make_backend(
+            attention_backend or default_backend_name(model.device)
+        )
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._recently_finished: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def num_blocks(self) -> int:
+        """K/V blocks in the pool."""
+        return self.kv_cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per K/V block."""
+        return self.kv_cache.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """K/V blocks no request holds."""
+        return self.kv_cache.allocator.num_free_blocks
+
+    @property
+    def active_request_ids(self) -> list[str]:
+        """Requests with state (and K/V) on this engine."""
+        return list(self._requests)
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Release, admit, then run every prompt chunk and decode in one forward pass."""
+        admitted, works, growth = self._validate(plan)
+        for request_id in plan.released_request_ids:
+            self._drop(request_id)
+        for request in admitted:
+            self._requests[request.spec.request_id] = request
+        if not works:
+            return StepOutput(
+                worker_id=self.worker_id, epoch=plan.epoch, step_index=plan.step_index
+            )
+        self.kv_cache.allocator.grow(growth)
+        started = time.perf_counter()
+        tokens = self._run(works)
+        step_ms = (time.perf_counter() - started) * 1000
+        num_new_tokens = sum(len(work.token_ids) for work in works)
+        self.stats.num_steps += 1
+        self.stats.num_tokens += num_new_tokens
+        self.stats.busy_s += step_ms / 1000
+        return StepOutput(
+            worker_id=self.worker_id,
+            epoch=plan.epoch,
+            step_index=plan.step_index,
+            tokens=tokens,
+            num_new_tokens=num_new_tokens,
+            step_ms=step_ms,
+        )
+
+    def _admit(self, spec: RequestSpec) -> _Request:
+        sampling = spec.sampling
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.update(self.model.config.eos_token_ids)
+        return _Request(
+            spec=spec,
+            seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
+            stop_token_ids=frozenset(stop_ids),
+            num_generated=spec.num_generated,
+        )
+
+    def _validate(self, plan: StepPlan) -> tuple[list[_Request], list[_Work], dict[str, int]]:
+        """Check the whole plan before touching any state.
+
+        Returns the requests it admits, the work of the step and the total
+        K/V tokens each worked-on request will hold.
+        """
+        released = set(plan.released_request_ids)
+        known = {rid: req for rid, req in self._requests.items() if rid not in released}
+        admitted = []
+        for spec in plan.new_requests:
+            if spec.request_id in known:
+                raise PlanError(f"request {spec.request_id!r} is already running here")
+            if spec.num_prompt_tokens < 1 or spec.sampling.max_tokens < 1:
+                raise PlanError(f"request {spec.request_id!r} needs a prompt and max_tokens >= 1")
+            known[spec.request_id] = self._admit(spec)
+            admitted.append(known[spec.request_id])
+        works: list[_Work] = []
+        seen: set[str] = set()
+        for chunk in plan.prefill_chunks:
+            request = self._lookup(known, chunk.request_id, seen)
+            end = chunk.start_position + len(chunk.token_ids)
+            if chunk.start_position != request.num_cached_tokens:
+                raise PlanError(
+                    f"request {chunk.request_id!r}: chunk starts at {chunk.start_position} "
+                    f"but {request.num_cached_tokens} tokens are cached"
+                )
+            if not chunk.token_ids or end > request.spec.num_prompt_tokens:
+                raise PlanError(
+                    f"request {chunk.request_id!r}: chunk [{chunk.start_position}, {end}) is empty "
+                    f"or past its {request.spec.num_prompt_tokens} prompt tokens"
+                )
+            samples = end == request.spec.num_prompt_tokens
+            works.append(_Work(request, chunk.token_ids, chunk.start_position, samples))
+        for request_id in plan.decode_request_ids:
+            if request_id in self._recently_finished and request_id not in known:
+                continue  # finished in a step whose result the scheduler had not seen
+            request = self._lookup(known, request_id, seen)
+            if not request.prompt_done or request.last_token_id is None:
+                raise PlanError(f"request {request_id!r} cannot decode before its prompt is done")
+            works.append(_Work(request, [request.last_token_id], request.num_cached_tokens, True))
+        limit = self.model.config.max_position_embeddings
+        growth = {}
+        for work in works:
+            end = work.start_position + len(work.token_ids)
+            if end > limit:
+                raise PlanError(
+                    f"request {work.request.spec.request_id!r} reaches position {end}, past the "
+                    f"model's context of {limit}"
+                )
+            growth[work.request.spec.request_id] = end
+        allocator = self.kv_cache.allocator
+        num_free = allocator.num_free_blocks + sum(
+            len(allocator.block_table(r)) for r in released if allocator.holds(r)
+        )
+        num_needed = sum(
+            blocks_for(n, allocator.block_size)
+            - (0 if r in released or not allocator.holds(r) else len(allocator.block_table(r)))
+            for r, n in growth.items()
+        )
+        if num_needed > num_free:
+            raise PlanError(
+                f"plan needs {num_needed} more K/V blocks but only {num_free} of "
+                f"{allocator.num_blocks} are free"
+            )
+        return admitted, works, growth
+
+    @staticmethod
+    def _lookup(known: dict[str, _Request], request_id: str, seen: set[str]) -> _Request:
+        if request_id not in known:
+            raise PlanError(f"request {request_id!r} is not running here")
+        if request_id in seen:
+            raise PlanError(f"request {request_id!r} appears twice in one plan")
+        seen.add(request_id)
+        return known[request_id]
+
+    def _run(self, works: list[_Work]) -> list[SampledToken]:
+        cache = self.kv_cache
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        layout: list[SequenceLayout] = []
+        logits_rows: list[int] = []
+        for work in works:
+            request_id = work.request.spec.request_id
+            end = work.start_position + len(work.token_ids)
+            layout.append(
+                SequenceLayout(
+                    query_start=len(token_ids),
+                    num_query_tokens=len(work.token_ids),
+                    num_cached_tokens=work.start_position,
+                    block_table=cache.allocator.block_table(request_id),
+                )
+            )
+            token_ids.extend(work.token_ids)
+            positions.extend(range(work.start_position, end))
+            slots.extend(cache.slot_ids(request_id, work.start_position, end))
+            if work.samples:
+                logits_rows.append(len(token_ids) - 1)
+        device = self.model.device
+        logits = self.model.forward(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            kv_cache=cache,
+            backend=self.backend,
+            attention_plan=self.backend.prepare(layout, cache.block_size, device),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        )
+        for work in works:
+            work.request.num_cached_tokens += len(work.token_ids)
+        sampling_works = [work for work in works if work.samples]
+        sampled = sample(
+            logits,
+            [work.request.spec.sampling for work in sampling_works],
+            [work.request.seed for work in sampling_works],
+            [work.request.num_generated for work in sampling_works],
+        )
+        return [
+            self._record(work.request, token_id)
+            for work, token_id in zip(sampling_works, sampled, strict=True)
+        ]
+
+    def _record(self, request: _Request, token_id: int) -> SampledToken:
+        index = request.num_generated
+        request.num_generated += 1
+        request.last_token_id = token_id
+        finish_reason: FinishReason | None = None
+        if token_id in request.stop_token_ids:
+            finish_reason = "stop"
+        elif request.num_generated >= request.spec.sampling.max_tokens:
+            finish_reason = "length"
+        if finish_reason is not None:
+            self._drop(request.spec.request_id)
+            self._recently_finished[request.spec.request_id] = None
+            if len(self._recently_finished) > _RECENTLY_FINISHED_LIMIT:
+                self._recently_finished.popitem(last=False)
+        return SampledToken(
+            request_id=request.spec.request_id,
+            token_id=token_id,
+            index=index,
+            finish_reason=finish_reason,
+        )
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request and free its blocks; a no-op for unknown ids (idempotent)."""
+        self._requests.pop(request_id, None)
+        self.kv_cache.allocator.free(request_id)

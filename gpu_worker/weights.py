@@ -1,0 +1,108 @@
+"""Load a Llama-family checkpoint's safetensors into the engine's fused layout.
+
+Q, K and V projections are concatenated into one matrix, and so are the
+gate and up projections of the MLP, so each is one matmul over all tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gpu_worker.model_config import ModelConfig, ModelLoadError
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv_proj: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
+    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """The whole network."""
+
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+class _Checkpoint:
+    """Tensors by name across every *.safetensors file of a directory."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._files: dict[str, Path] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    self._files[name] = path
+        self._handles: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+        path = self._files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def load_weights(
+    model_dir: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> ModelWeights:
+    """Read, fuse, cast and place every weight."""
+    checkpoint = _Checkpoint(model_dir)
+
+    def take(name: str) -> torch.Tensor:
+        return checkpoint.get(name).to(device=device, dtype=dtype)
+
+    layers = []
+    for index in range(config.num_layers):
+        prefix = f"model.layers.{index}."
+        attention = prefix + "self_attn."
+        qkv_bias = None
+        if config.attention_bias or checkpoint.has(attention + "q_proj.bias"):
+            qkv_bias = torch.cat([take(f"{attention}{p}_proj.bias") for p in "qkv"])
+        layers.append(
+            LayerWeights(
+                input_norm=take(prefix + "input_layernorm.weight"),
+                qkv_proj=torch.cat([take(f"{attention}{p}_proj.weight") for p in "qkv"]),
+                qkv_bias=qkv_bias,
+                o_proj=take(attention + "o_proj.weight"),
+                post_attention_norm=take(prefix + "post_attention_layernorm.weight"),
+                gate_up_proj=torch.cat(
+                    [take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]
+                ),
+                down_proj=take(prefix + "mlp.down_proj.weight"),
+            )
+        )
+    embed_tokens = take("model.embed_tokens.weight")
+    if config.tie_word_embeddings or not checkpoint.has("lm_head.weight"):
+        lm_head = embed_tokens
+    else:
+        lm_head = take("lm_head.weight")
+    expected = (config.vocab_size, config.hidden_size)
+    if tuple(embed_tokens.shape) != expected:
+        raise ModelLoadError(
+            f"embedding shape {tuple(embed_tokens.shape)} does not match config {expected}"
+        )
+    return ModelWeights(
+        embed_tokens=embed_tokens,
+        layers=layers,
+        final_norm=take("model.norm.weight"),
+        lm_head=lm_head,
+    )
