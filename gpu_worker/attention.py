@@ -38,14 +38,20 @@ class SequenceLayout:
 
 def kv_slots(layout: list[SequenceLayout], block_size: int, device: torch.device) -> torch.Tensor:
     """Slot of every K/V token of each request, padded with slot 0: ``[B, max_kv_tokens]``."""
+    tables = block_ids(layout, device)
+    offsets = torch.arange(block_size, dtype=torch.int64, device=device)
+    slots = (tables.unsqueeze(-1) * block_size + offsets).flatten(1)  # [B, max_blocks * bs]
+    max_kv_tokens = max(sequence.num_kv_tokens for sequence in layout)
+    return slots[:, :max_kv_tokens]
+
+
+def block_ids(layout: list[SequenceLayout], device: torch.device) -> torch.Tensor:
+    """Each request's block table padded with block 0: ``[B, max_blocks]``."""
     max_blocks = max(len(sequence.block_table) for sequence in layout)
     tables = torch.zeros((len(layout), max_blocks), dtype=torch.int64)
     for row, sequence in enumerate(layout):
         tables[row, : len(sequence.block_table)] = torch.tensor(sequence.block_table)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    slots = (tables.unsqueeze(-1) * block_size + offsets).flatten(1)  # [B, max_blocks * bs]
-    max_kv_tokens = max(sequence.num_kv_tokens for sequence in layout)
-    return slots[:, :max_kv_tokens].to(device)
+    return tables.to(device)
 
 
 def causal_mask(
@@ -83,18 +89,19 @@ class AttentionBackend(Protocol):
         ...
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """The backend called ``name`` ('reference' or 'cpu')."""
+BACKEND_NAMES = ("reference", "cpu")
+
+
+def make_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
+    """The backend called ``name`` (one of BACKEND_NAMES) computing in ``dtype``."""
     from gpu_worker.attention_cpu import CpuAttention
     from gpu_worker.attention_reference import ReferenceAttention
 
-    backends: dict[str, type[ReferenceAttention] | type[CpuAttention]] = {
-        "reference": ReferenceAttention,
-        "cpu": CpuAttention,
-    }
-    if name not in backends:
-        raise ValueError(f"attention backend {name!r} is not one of {', '.join(backends)}")
-    return backends[name]()
+    if name == "reference":
+        return ReferenceAttention()
+    if name == "cpu":
+        return CpuAttention(dtype)
+    raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
 
 
 def default_backend_name(device: torch.device) -> str:

@@ -4,6 +4,13 @@ Decoding requests (one new token each) are one batched SDPA call over their
 gathered, padded K/V; prompt chunks are a second call padded to the longest
 chunk. Splitting the two keeps a long prefill from padding every decode's
 query to its length.
+
+Two choices make this as fast as attention over a contiguous static cache
+(measured in bench/engine.py): K/V are gathered whole blocks at a time (one
+``index_select`` of ``block_size * kv_heads * head_dim`` rows, several times
+faster than per-token indexing), and the mask is additive in the compute
+dtype (torch's CPU SDPA takes a much slower path for a boolean mask over
+strided K/V).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import SequenceLayout, causal_mask, kv_slots
+from gpu_worker.attention import SequenceLayout, block_ids, causal_mask
 
 
 @dataclass(frozen=True)
@@ -22,12 +29,16 @@ class _Group:
 
     query_rows: torch.Tensor  # [B, max_q] rows of the flattened batch (padding: row 0)
     valid: torch.Tensor  # [B, max_q] bool, False on padding
-    kv_slots: torch.Tensor  # [B, max_kv]
-    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool
+    block_ids: torch.Tensor  # [B * max_blocks] flattened, gathered in one index_select
+    block_size: int
+    num_kv_slots: int  # max_blocks * block_size
+    additive_mask: torch.Tensor  # [B, 1, max_q, num_kv_slots], 0 or -inf
     output_rows: torch.Tensor  # [num_valid] rows the valid queries come from
 
 
-def _group(layout: list[SequenceLayout], block_size: int, device: torch.device) -> _Group:
+def _group(
+    layout: list[SequenceLayout], block_size: int, device: torch.device, dtype: torch.dtype
+) -> _Group:
     max_query_tokens = max(sequence.num_query_tokens for sequence in layout)
     query_rows = torch.zeros((len(layout), max_query_tokens), dtype=torch.int64)
     valid = torch.zeros((len(layout), max_query_tokens), dtype=torch.bool)
@@ -35,15 +46,19 @@ def _group(layout: list[SequenceLayout], block_size: int, device: torch.device) 
         count = sequence.num_query_tokens
         query_rows[row, :count] = torch.arange(sequence.query_start, sequence.query_start + count)
         valid[row, :count] = True
-    slots = kv_slots(layout, block_size, device)
-    mask = causal_mask(
-        [s.num_query_tokens for s in layout], [s.num_cached_tokens for s in layout], slots.shape[1]
+    tables = block_ids(layout, device)
+    num_kv_slots = tables.shape[1] * block_size
+    visible = causal_mask(
+        [s.num_query_tokens for s in layout], [s.num_cached_tokens for s in layout], num_kv_slots
     )
+    additive_mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
     return _Group(
         query_rows=query_rows.to(device),
         valid=valid.to(device),
-        kv_slots=slots,
-        mask=mask.to(device),
+        block_ids=tables.flatten(),
+        block_size=block_size,
+        num_kv_slots=num_kv_slots,
+        additive_mask=additive_mask.to(device),
         output_rows=query_rows[valid].to(device),
     )
 
@@ -53,13 +68,18 @@ class CpuAttention:
 
     name = "cpu"
 
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+
     def prepare(
         self, layout: list[SequenceLayout], block_size: int, device: torch.device
     ) -> list[_Group]:
         """Gather indices and masks for the decode group and the prefill group."""
         decodes = [s for s in layout if s.num_query_tokens == 1]
         prefills = [s for s in layout if s.num_query_tokens > 1]
-        return [_group(part, block_size, device) for part in (decodes, prefills) if part]
+        return [
+            _group(part, block_size, device, self.dtype) for part in (decodes, prefills) if part
+        ]
 
     def attend(
         self,
@@ -71,12 +91,18 @@ class CpuAttention:
         """Attention of every request over its own cached plus new K/V."""
         assert isinstance(prepared, list)
         output = torch.empty_like(queries)  # [T, heads, head_dim]
+        num_slots, num_kv_heads, head_dim = keys.shape
         for group in prepared:
+            batch = len(group.query_rows)
             query = queries[group.query_rows].transpose(1, 2)  # [B, heads, max_q, head_dim]
-            key = keys[group.kv_slots].transpose(1, 2)  # [B, kv_heads, max_kv, head_dim]
-            value = values[group.kv_slots].transpose(1, 2)
+            gathered = (batch, group.num_kv_slots, num_kv_heads, head_dim)
+            num_blocks = num_slots // group.block_size
+            key = keys.view(num_blocks, -1).index_select(0, group.block_ids)
+            value = values.view(num_blocks, -1).index_select(0, group.block_ids)
+            key = key.view(gathered).transpose(1, 2)  # [B, kv_heads, kv_slots, head_dim]
+            value = value.view(gathered).transpose(1, 2)
             attended = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=group.mask, enable_gqa=True
+                query, key, value, attn_mask=group.additive_mask, enable_gqa=True
             )  # [B, heads, max_q, head_dim]
             output[group.output_rows] = attended.transpose(1, 2)[group.valid]
         return output

@@ -57,8 +57,8 @@ class ReferenceAttention:
         output = torch.empty_like(queries)  # [T, heads, head_dim]
         for request in prepared:
             query = queries[request.rows].transpose(0, 1)  # [heads, q, head_dim]
-            key = keys[request.slots].transpose(0, 1)  # [kv_heads, kv, head_dim]
-            value = values[request.slots].transpose(0, 1)
+            key = keys.index_select(0, request.slots).transpose(0, 1)  # [kv_heads, kv, head_dim]
+            value = values.index_select(0, request.slots).transpose(0, 1)
             attended = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=request.mask, enable_gqa=True
             )

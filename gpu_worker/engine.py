@@ -101,7 +101,7 @@ class Engine:
             model.config, num_blocks, budget.block_size, model.device, model.dtype
         )
         self.backend: AttentionBackend = make_backend(
-            attention_backend or default_backend_name(model.device)
+            attention_backend or default_backend_name(model.device), model.dtype
         )
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}

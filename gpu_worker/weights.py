@@ -106,3 +106,36 @@ def load_weights(
         final_norm=take("model.norm.weight"),
         lm_head=lm_head,
     )
+
+
+def random_weights(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> ModelWeights:
+    """Weights of the right shapes with random values, for benchmarks of a config
+    whose checkpoint is not on the machine (speed does not depend on the values)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        values = torch.randn(*shape, generator=generator) * (hidden**-0.5)
+        return values.to(device=device, dtype=dtype)
+
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, device=device, dtype=dtype)
+
+    layers = [
+        LayerWeights(
+            input_norm=ones(hidden),
+            qkv_proj=normal(qkv_rows, hidden),
+            qkv_bias=normal(qkv_rows) if config.attention_bias else None,
+            o_proj=normal(hidden, config.num_heads * config.head_dim),
+            post_attention_norm=ones(hidden),
+            gate_up_proj=normal(2 * intermediate, hidden),
+            down_proj=normal(hidden, intermediate),
+        )
+        for _ in range(config.num_layers)
+    ]
+    embed_tokens = normal(config.vocab_size, hidden)
+    lm_head = embed_tokens if config.tie_word_embeddings else normal(config.vocab_size, hidden)
+    return ModelWeights(embed_tokens, layers, ones(hidden), lm_head)

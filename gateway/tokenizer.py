@@ -1,0 +1,216 @@
+"""The chat tokenizer: chat template, encode, decode, and streaming detokenization.
+
+Loaded from a Hugging Face-format model directory (``tokenizer.json`` and
+``tokenizer_config.json``) with the ``tokenizers`` library and jinja2 alone:
+transformers is far too heavy for the gateway and is used only by the tests, to
+check this module agrees with it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+TOKENIZER_FILE_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"
+
+# End-of-turn markers of common chat templates (ChatML, Llama 3, Phi-3); the
+# model emits them, not eos, at the end of its reply.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+class ModelDirectoryError(ValueError):
+    """A model directory lacks a tokenizer file or has an unreadable one."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages (its ``raise_exception``) or failed to render."""
+
+
+class ChatTokenizer:
+    """Tokenizer plus chat template of one model; immutable once loaded, safe to share."""
+
+    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
+        self._tokenizer = tokenizer
+        self._config = config
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        template_source = _chat_template_source(config.get("chat_template"))
+        self._template = None if template_source is None else _compile_template(template_source)
+        self._chat_template_source = template_source or ""
+        self.eos_token_id = (
+            None if self.eos_token is None else tokenizer.token_to_id(self.eos_token)
+        )
+        self.stop_token_ids: frozenset[int] = frozenset(self._find_stop_token_ids())
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path | str) -> ChatTokenizer:
+        """Load from ``model_dir``; raises :class:`ModelDirectoryError` naming a missing file."""
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ModelDirectoryError(f"model directory {model_dir} does not exist")
+        tokenizer_path = _required_file(model_dir, TOKENIZER_FILE_NAME)
+        config_path = _required_file(model_dir, TOKENIZER_CONFIG_FILE_NAME)
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as error:  # tokenizers raises a bare Exception on bad JSON
+            raise ModelDirectoryError(f"cannot load {tokenizer_path}: {error}") from error
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise ModelDirectoryError(f"cannot parse {config_path}: {error}") from error
+        return cls(tokenizer, config)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` (``{"role": ..., "content": ...}``) into the prompt text."""
+        if self._template is None:
+            raise ChatTemplateError("the model's tokenizer_config.json has no chat_template")
+        # The same variables Hugging Face passes, so templates written for it work.
+        special_tokens = {
+            key: _token_content(self._config.get(key))
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **special_tokens,
+            )
+        except TemplateError as error:
+            raise ChatTemplateError(f"chat template failed: {error}") from error
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; special tokens written in it become their single ids.
+
+        ``add_special_tokens`` adds what the model's post-processor adds (a bos,
+        say); a prompt from :meth:`apply_chat_template` already has its own.
+        """
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids``; bytes of an unfinished UTF-8 character come out as U+FFFD."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry, or None when absent."""
+        return self._tokenizer.token_to_id(token)
+
+    def _find_stop_token_ids(self) -> Iterable[int]:
+        if self.eos_token_id is not None:
+            yield self.eos_token_id
+        for token in END_OF_TURN_TOKENS:
+            token_id = self._tokenizer.token_to_id(token)
+            # Only markers the template writes: a vocabulary can hold others unused.
+            if token_id is not None and token in self._chat_template_source:
+                yield token_id
+
+
+class IncrementalDetokenizer:
+    """Turn one request's generated token ids into text deltas, one token at a time.
+
+    Decodes a small window of already-emitted tokens plus the new ones and emits
+    the difference, so merges across token boundaries (byte-level BPE splitting a
+    character over several tokens) come out right. Text is held back while it
+    ends in U+FFFD, i.e. while a multi-byte character is still incomplete.
+    """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        context_tokens: int = 5,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids = list(prompt_ids[-context_tokens:]) if context_tokens else []
+        # [prefix_offset, read_offset): tokens already emitted, kept as decode context.
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; return the newly completed text (often "")."""
+        self._token_ids.append(token_id)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """Return whatever is held back; at the end of a stream it can only be U+FFFD."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith(REPLACEMENT_CHARACTER) and not final:
+            return ""
+        # Keep only the newest tokens as context: decode cost stays constant per token.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _compile_template(source: str) -> Any:
+    """Compile like Hugging Face: sandboxed, trimmed blocks, loop controls."""
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def strftime_now(format_string: str) -> str:
+        return datetime.now().strftime(format_string)
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        # jinja2's own tojson escapes HTML characters, which HF templates don't expect.
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    return environment.from_string(source)
+
+
+def _chat_template_source(template: Any) -> str | None:
+    """The default template, whether stored as a string or as HF's list of named ones."""
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    raise ModelDirectoryError(f"chat_template of unexpected type {type(template).__name__}")
+
+
+def _token_content(token: Any) -> str | None:
+    """A special token as stored in tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _required_file(model_dir: Path, name: str) -> Path:
+    path = model_dir / name
+    if not path.is_file():
+        raise ModelDirectoryError(f"model directory {model_dir} has no {name}")
+    return path

@@ -1,0 +1,243 @@
+"""The scheduler core: events in, plans out. Pure: no I/O, time from a clock.
+
+Events: ``submit``, ``cancel``, ``worker_joined``, ``worker_lost`` and
+``on_result`` (a worker's StepOutput). ``next_plan(worker_id)`` returns the
+next StepPlan for that worker, or None when it has nothing to run or already
+has ``max_inflight`` plans outstanding. Events that end requests return the
+FinishedRequest records to deliver to clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from scheduler_actor.block_ledger import BlockLedger
+from scheduler_actor.config import SchedulerConfig
+from scheduler_actor.errors import (
+    DuplicateRequestError,
+    DuplicateWorkerError,
+    InvalidRequestError,
+    RequestTooLargeError,
+    UnknownWorkerError,
+)
+from scheduler_actor.plan_builder import PlanBuilder
+from scheduler_actor.policy import make_policy
+from scheduler_actor.request import FinishedRequest, Request, RequestStatus
+from scheduler_actor.vtc import VirtualTokenCounter
+from scheduler_actor.worker_state import WorkerState
+from shared.messages import FinishReason, SamplingParams, StepOutput, StepPlan
+
+
+class Scheduler:
+    """All scheduling state of orcapod; one instance per scheduler process."""
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self._clock = clock
+        self.vtc = VirtualTokenCounter(config)
+        self._policy = make_policy(config, self.vtc, self._is_preferred)
+        self._requests: dict[str, Request] = {}
+        self._workers: dict[str, WorkerState] = {}
+        self._next_arrival_seq = 0
+        self._next_join_seq = 0
+        # One counter for all workers, so a result of a lost worker's plan
+        # never matches a plan of its next incarnation.
+        self._next_step_index = 0
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every live (not yet released) request, by id."""
+        return self._requests
+
+    @property
+    def workers(self) -> Mapping[str, WorkerState]:
+        """Every joined worker, by id."""
+        return self._workers
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests on no worker."""
+        return self._policy.num_waiting
+
+    def submit(
+        self, request_id: str, tenant: str, prompt_ids: list[int], sampling: SamplingParams
+    ) -> None:
+        """Accept a request; raises InvalidRequestError, DuplicateRequestError or,
+        when workers have joined and none could ever hold prompt + max_tokens,
+        RequestTooLargeError."""
+        if not prompt_ids:
+            raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        if sampling.max_tokens < 1:
+            raise InvalidRequestError(f"request {request_id!r} has max_tokens < 1")
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request {request_id!r} is already live")
+        num_tokens = len(prompt_ids) + sampling.max_tokens
+        if self._workers and not any(w.ledger.can_hold(num_tokens) for w in self._workers.values()):
+            raise RequestTooLargeError(
+                f"request {request_id!r} needs {num_tokens} K/V slots, more than any worker has"
+            )
+        request = Request(
+            request_id=request_id,
+            tenant=tenant,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            arrival_s=self._clock(),
+            arrival_seq=self._next_arrival_seq,
+        )
+        self._next_arrival_seq += 1
+        self._requests[request_id] = request
+        self._policy.enqueue(request)
+
+    def cancel(self, request_id: str) -> list[FinishedRequest]:
+        """Cancel a live request (a no-op for unknown or finished ones). Returns
+        its record and, under ``request``, any batch this completes."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is RequestStatus.FINISHED:
+            return []
+        if request.status is RequestStatus.WAITING:
+            self._policy.discard(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "cancelled"
+            return [self._release(request)]
+        worker = self._workers[_worker_id(request)]
+        worker.ledger.free(request.num_blocks)
+        del worker.placed[request_id]
+        worker.pending_release_ids.append(request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = "cancelled"
+        return [self._release(request), *self._release_batch_if_done(worker)]
+
+    def worker_joined(
+        self, worker_id: str, num_blocks: int, block_size: int, max_inflight: int = 1
+    ) -> None:
+        """Register a worker and its K/V budget."""
+        if worker_id in self._workers:
+            raise DuplicateWorkerError(f"worker {worker_id!r} already joined")
+        if num_blocks < 1 or block_size < 1 or max_inflight < 1:
+            raise InvalidRequestError("num_blocks, block_size and max_inflight must be >= 1")
+        self._workers[worker_id] = WorkerState(
+            worker_id=worker_id,
+            join_seq=self._next_join_seq,
+            max_inflight=max_inflight,
+            ledger=BlockLedger(num_blocks, block_size),
+        )
+        self._next_join_seq += 1
+
+    def worker_lost(self, worker_id: str) -> list[FinishedRequest]:
+        """Forget a worker: its requests wait again, to be recomputed from the
+        prompt plus the tokens already generated; results it held are released."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            raise UnknownWorkerError(worker_id)
+        for request in sorted(worker.placed.values(), key=_arrival_seq):
+            request.unplace()
+            self._policy.enqueue(request)
+        return [self._release(request) for request in worker.held]
+
+    def next_plan(self, worker_id: str) -> StepPlan | None:
+        """The worker's next iteration, or None when it has nothing to run or
+        ``max_inflight`` plans are already outstanding."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorkerError(worker_id)
+        if not worker.can_plan():
+            return None
+        builder = PlanBuilder(worker, self._next_step_index, self.config.epoch)
+        self._policy.fill(builder)
+        plan = builder.build()
+        if plan is None:
+            return None
+        self._next_step_index += 1
+        for request in builder.scheduled:
+            if not request.is_prompt_charged:
+                request.is_prompt_charged = True
+                self.vtc.charge(request.tenant, len(request.prompt_ids), 0)
+        return plan
+
+    def on_result(self, output: StepOutput) -> list[FinishedRequest]:
+        """Record a step's tokens; returns the requests whose results are
+        released now. Results of unknown workers or plans are stale: ignored."""
+        worker = self._workers.get(output.worker_id)
+        if worker is None:
+            return []
+        batch = worker.outstanding.pop(output.step_index, None)
+        if batch is None:
+            return []
+        for planned in batch:
+            if planned.status is RequestStatus.PLACED and planned.worker_id == worker.worker_id:
+                planned.num_inflight -= 1
+        released: list[FinishedRequest] = []
+        for token in output.tokens:
+            request = self._requests.get(token.request_id)
+            if (
+                request is None
+                or request.status is not RequestStatus.PLACED
+                or request.worker_id != worker.worker_id
+                or token.index != len(request.generated_ids)
+            ):
+                continue
+            request.generated_ids.append(token.token_id)
+            self.vtc.charge(request.tenant, 0, 1)
+            reason: FinishReason | None = token.finish_reason
+            if reason is None and len(request.generated_ids) >= request.max_tokens:
+                reason = "length"
+            if reason is not None:
+                released += self._finish(worker, request, reason)
+        return released
+
+    def _finish(
+        self, worker: WorkerState, request: Request, reason: FinishReason
+    ) -> list[FinishedRequest]:
+        # The worker frees a finished request's blocks itself.
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del worker.placed[request.request_id]
+        if self._policy.holds_results_until_batch_end:
+            worker.held.append(request)
+            return self._release_batch_if_done(worker)
+        worker.ledger.free(request.num_blocks)
+        return [self._release(request)]
+
+    def _release_batch_if_done(self, worker: WorkerState) -> list[FinishedRequest]:
+        if worker.placed or not worker.held:
+            return []
+        held, worker.held = worker.held, []
+        for request in held:
+            worker.ledger.free(request.num_blocks)
+        return [self._release(request) for request in held]
+
+    def _release(self, request: Request) -> FinishedRequest:
+        del self._requests[request.request_id]
+        assert request.finish_reason is not None
+        return FinishedRequest(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            token_ids=request.generated_ids,
+            finish_reason=request.finish_reason,
+            arrival_s=request.arrival_s,
+            finish_s=self._clock(),
+            num_preemptions=request.num_preemptions,
+        )
+
+    def _is_preferred(self, worker: WorkerState, request: Request) -> bool:
+        """Place on the worker with the most free K/V that could ever hold the
+        request; ties by fewest placed requests, then by join order."""
+        num_tokens = request.num_max_context_tokens
+        best: WorkerState | None = None
+        best_key = (0, 0, 0)
+        for candidate in self._workers.values():
+            if not candidate.ledger.can_hold(num_tokens):
+                continue
+            key = (candidate.ledger.num_free_tokens, -len(candidate.placed), -candidate.join_seq)
+            if best is None or key > best_key:
+                best, best_key = candidate, key
+        return best is worker
+
+
+def _worker_id(request: Request) -> str:
+    assert request.worker_id is not None
+    return request.worker_id
+
+
+def _arrival_seq(request: Request) -> int:
+    return request.arrival_seq

@@ -1,0 +1,159 @@
+"""Building one StepPlan: the block-exact mechanics every policy shares.
+
+A policy decides *who* runs; the builder does the bookkeeping of *running*
+them: placing a request on the worker, allocating K/V blocks on demand (check
+then act: ``can_decode``/``decode``, ``num_prefill_fits``/``prefill``,
+``can_reserve``/``reserve``), and preempting.
+"""
+
+from __future__ import annotations
+
+from scheduler_actor.request import Request, RequestStatus
+from scheduler_actor.worker_state import WorkerState
+from shared.messages import PrefillChunk, RequestSpec, StepPlan
+
+
+class PlanBuilder:
+    """Accumulates one iteration of one worker."""
+
+    __slots__ = (
+        "decode_request_ids",
+        "epoch",
+        "new_requests",
+        "num_new_tokens",
+        "prefill_chunks",
+        "released_request_ids",
+        "scheduled",
+        "scheduled_ids",
+        "step_index",
+        "worker",
+    )
+
+    def __init__(self, worker: WorkerState, step_index: int, epoch: int) -> None:
+        self.worker = worker
+        self.step_index = step_index
+        self.epoch = epoch
+        self.new_requests: list[RequestSpec] = []
+        self.prefill_chunks: list[PrefillChunk] = []
+        self.decode_request_ids: list[str] = []
+        # Cancels since the last plan: the ledger already freed their blocks,
+        # which is exact because the worker releases before running this step.
+        self.released_request_ids: list[str] = worker.pending_release_ids
+        worker.pending_release_ids = []
+        self.scheduled: list[Request] = []
+        self.scheduled_ids: set[str] = set()
+        self.num_new_tokens = 0
+
+    @property
+    def num_scheduled(self) -> int:
+        """Requests in this plan so far."""
+        return len(self.scheduled)
+
+    def place(self, request: Request) -> None:
+        """Put a waiting request on this worker; its context is recomputed from
+        the prompt plus whatever it generated before."""
+        assert request.status is RequestStatus.WAITING
+        request.status = RequestStatus.PLACED
+        request.worker_id = self.worker.worker_id
+        request.context_ids = request.prompt_ids + request.generated_ids
+        self.worker.placed[request.request_id] = request
+        self.new_requests.append(
+            RequestSpec(
+                request_id=request.request_id,
+                num_prompt_tokens=len(request.context_ids),
+                sampling=request.sampling,
+                num_generated=len(request.generated_ids),
+            )
+        )
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` slots can be reserved up front on this worker."""
+        ledger = self.worker.ledger
+        return ledger.can_allocate(ledger.blocks_for(num_tokens))
+
+    def reserve(self, request: Request, num_tokens: int) -> None:
+        """Reserve ``num_tokens`` slots for a request just placed (orca, request)."""
+        ledger = self.worker.ledger
+        num_blocks = ledger.blocks_for(num_tokens) - request.num_blocks
+        if num_blocks > 0:
+            ledger.allocate(num_blocks)
+            request.num_blocks += num_blocks
+
+    def num_prefill_fits(self, request: Request, num_tokens: int) -> int:
+        """Largest prompt chunk of at most ``num_tokens`` whose blocks are free."""
+        ledger = self.worker.ledger
+        capacity = (request.num_blocks + ledger.num_free) * ledger.block_size
+        return max(0, min(num_tokens, capacity - request.num_tokens_planned))
+
+    def prefill(self, request: Request, num_tokens: int) -> None:
+        """Run the next ``num_tokens`` of the request's context in this step."""
+        assert 0 < num_tokens <= len(request.context_ids) - request.num_prefill_planned
+        self._grow(request, num_tokens)
+        start = request.num_prefill_planned
+        self.prefill_chunks.append(
+            PrefillChunk(
+                request_id=request.request_id,
+                token_ids=request.context_ids[start : start + num_tokens],
+                start_position=start,
+            )
+        )
+        request.num_prefill_planned += num_tokens
+        self._schedule(request, num_tokens)
+
+    def can_decode(self, request: Request) -> bool:
+        """Whether the blocks for one more token are free (or already held)."""
+        ledger = self.worker.ledger
+        needed = ledger.blocks_for(request.num_tokens_planned + 1) - request.num_blocks
+        return needed <= 0 or ledger.can_allocate(needed)
+
+    def decode(self, request: Request) -> None:
+        """Decode one token of the request in this step."""
+        self._grow(request, 1)
+        request.num_decodes_planned += 1
+        self.decode_request_ids.append(request.request_id)
+        self._schedule(request, 1)
+
+    def preempt(self, request: Request) -> None:
+        """Take a placed request off the worker (recompute later): free its
+        blocks now and tell the worker to free them before this step."""
+        assert request.num_inflight == 0 and request.request_id not in self.scheduled_ids
+        self.worker.ledger.free(request.num_blocks)
+        del self.worker.placed[request.request_id]
+        self.released_request_ids.append(request.request_id)
+        request.unplace()
+        request.num_preemptions += 1
+
+    def build(self) -> StepPlan | None:
+        """The finished plan, or None when nothing runs (releases then wait for
+        the next plan)."""
+        if not self.scheduled:
+            self.worker.pending_release_ids = self.released_request_ids + (
+                self.worker.pending_release_ids
+            )
+            return None
+        for request in self.scheduled:
+            request.num_inflight += 1
+            request.num_iterations += 1
+        self.worker.outstanding[self.step_index] = self.scheduled
+        return StepPlan(
+            worker_id=self.worker.worker_id,
+            epoch=self.epoch,
+            step_index=self.step_index,
+            new_requests=self.new_requests,
+            prefill_chunks=self.prefill_chunks,
+            decode_request_ids=self.decode_request_ids,
+            released_request_ids=self.released_request_ids,
+        )
+
+    def _grow(self, request: Request, num_tokens: int) -> None:
+        ledger = self.worker.ledger
+        needed = ledger.blocks_for(request.num_tokens_planned + num_tokens) - request.num_blocks
+        if needed > 0:
+            ledger.allocate(needed)
+            request.num_blocks += needed
+
+    def _schedule(self, request: Request, num_tokens: int) -> None:
+        assert request.request_id not in self.scheduled_ids
+        self.scheduled.append(request)
+        self.scheduled_ids.add(request.request_id)
+        self.num_new_tokens += num_tokens

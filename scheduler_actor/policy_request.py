@@ -1,0 +1,66 @@
+"""``request``: request-level static batching (FasterTransformer), the baseline.
+
+A batch of up to ``max_batch_size`` forms only when the worker is idle, each
+member reserving prompt + max_tokens slots; nobody joins; everybody stays (and
+keeps its K/V) until the longest finishes, and results are released then.
+"""
+
+from __future__ import annotations
+
+from scheduler_actor.config import SchedulerConfig
+from scheduler_actor.fcfs_queue import FcfsQueue
+from scheduler_actor.plan_builder import PlanBuilder
+from scheduler_actor.policy import IsPreferred
+from scheduler_actor.request import Request
+
+
+class RequestLevelPolicy:
+    """Static batches in arrival order."""
+
+    holds_results_until_batch_end = True
+
+    def __init__(self, config: SchedulerConfig, is_preferred: IsPreferred) -> None:
+        self._config = config
+        self._is_preferred = is_preferred
+        self._queue = FcfsQueue()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch."""
+        return self._queue.num_waiting
+
+    def enqueue(self, request: Request) -> None:
+        """Add a waiting request."""
+        self._queue.push(request)
+
+    def discard(self, request: Request) -> None:
+        """Forget a cancelled waiting request."""
+        self._queue.discard(request)
+
+    def fill(self, builder: PlanBuilder) -> None:
+        """Form a batch on an idle worker, else step the current batch."""
+        worker = builder.worker
+        if not worker.placed and not worker.held:
+            self._form_batch(builder)
+            return
+        overlap = self._config.overlap
+        for request in worker.placed.values():
+            if not request.can_continue(overlap):
+                continue
+            if request.wants_prefill():
+                builder.prefill(request, len(request.context_ids) - request.num_prefill_planned)
+            elif request.wants_decode():
+                builder.decode(request)
+
+    def _form_batch(self, builder: PlanBuilder) -> None:
+        queue = self._queue
+        while builder.num_scheduled < self._config.max_batch_size:
+            request = queue.peek()
+            if request is None or not self._is_preferred(builder.worker, request):
+                return
+            if not builder.can_reserve(request.num_max_context_tokens):
+                return
+            queue.pop(request)
+            builder.place(request)
+            builder.reserve(request, request.num_max_context_tokens)
+            builder.prefill(request, len(request.context_ids))

@@ -1,0 +1,117 @@
+"""One request as the scheduler sees it: its progress and where it runs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.messages import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life.
+
+    WAITING: in a policy's waiting queue, on no worker. PLACED: on a worker,
+    which holds its K/V; it may be inside outstanding plans (``num_inflight``)
+    or between iterations. FINISHED: done (or cancelled), possibly held back
+    until its batch ends under ``request``.
+    """
+
+    WAITING = enum.auto()
+    PLACED = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """Mutable bookkeeping of one request; only the scheduler core changes it.
+
+    While placed, ``context_ids`` is what the worker prefills (the prompt plus
+    the tokens generated before this placement: a recompute), and the
+    ``num_*_planned`` counters include every step already planned, whether or
+    not its result has returned.
+    """
+
+    request_id: str
+    tenant: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float
+    arrival_seq: int
+    status: RequestStatus = RequestStatus.WAITING
+    generated_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    worker_id: str | None = None
+    context_ids: list[int] = field(default_factory=list)
+    num_prefill_planned: int = 0
+    num_decodes_planned: int = 0
+    num_blocks: int = 0
+    num_inflight: int = 0
+    num_iterations: int = 0
+    num_preemptions: int = 0
+    is_prompt_charged: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens this request may generate."""
+        return self.sampling.max_tokens
+
+    @property
+    def num_max_context_tokens(self) -> int:
+        """Prompt plus max_tokens: the K/V slots reserved when placed up front."""
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+    @property
+    def num_tokens_planned(self) -> int:
+        """K/V slots the request occupies once every planned step has run."""
+        return self.num_prefill_planned + self.num_decodes_planned
+
+    @property
+    def is_prefill_planned(self) -> bool:
+        """Whether the whole context is in planned steps (its last one samples)."""
+        return self.num_prefill_planned == len(self.context_ids)
+
+    @property
+    def num_generated_planned(self) -> int:
+        """Tokens generated once every planned step has run."""
+        num_before = len(self.context_ids) - len(self.prompt_ids)
+        return num_before + int(self.is_prefill_planned) + self.num_decodes_planned
+
+    def can_continue(self, overlap: bool) -> bool:
+        """Whether a next step may be planned now: between iterations, or (with
+        overlap) inside exactly one outstanding plan, whose effect the worker
+        will know before it runs the next one."""
+        return self.num_inflight == 0 or (overlap and self.num_inflight == 1)
+
+    def wants_decode(self) -> bool:
+        """Prefill planned and max_tokens not yet reached by planned steps: the
+        request is certainly still running unless it stops on a stop token."""
+        return self.is_prefill_planned and self.num_generated_planned < self.sampling.max_tokens
+
+    def wants_prefill(self) -> bool:
+        """Part of the context is still to be planned."""
+        return self.num_prefill_planned < len(self.context_ids)
+
+    def unplace(self) -> None:
+        """Forget the worker placement (preemption, lost worker): the next one
+        recomputes from the prompt plus the tokens generated so far."""
+        self.status = RequestStatus.WAITING
+        self.worker_id = None
+        self.context_ids = []
+        self.num_prefill_planned = 0
+        self.num_decodes_planned = 0
+        self.num_blocks = 0
+        self.num_inflight = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """What the scheduler reports when a request's result is released."""
+
+    request_id: str
+    tenant: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    arrival_s: float
+    finish_s: float
+    num_preemptions: int

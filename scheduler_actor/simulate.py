@@ -1,0 +1,203 @@
+"""``orcapod simulate``: the three policies on the Orca trace, and a two-tenant run.
+
+Prints throughput and median/p99 normalized latency per policy and arrival
+rate, the throughput ratio at equal median latency (Orca's headline, Fig. 10),
+and writes ``results.json``, ``fig10.png`` (latency against throughput) and
+``tenants.png`` (each tenant's accumulated service under fair and orca).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from scheduler_actor.config import PolicyName, SchedulerConfig
+from scheduler_actor.cost_model import CostModel
+from scheduler_actor.errors import ConfigError
+from scheduler_actor.simulation import (
+    ClusterSpec,
+    TraceRequest,
+    orca_trace,
+    run_simulation,
+    summarize,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orcapod simulate", description=__doc__)
+    parser.add_argument("--policies", default="request,orca,fair")
+    parser.add_argument("--rates", default="0.25,0.5,1,2,3,4,5,6,7", help="arrivals per second")
+    parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost", help="a,b,c of step_s = a + b*new + c*attended")
+    parser.add_argument("--engine-json", type=Path, help="cost model from bench/engine.py")
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-inflight", type=int, default=2)
+    parser.add_argument("--tenant-duration-s", type=float, default=60.0)
+    parser.add_argument("--skip-tenants", action="store_true", help="skip the two-tenant run")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/simulate"))
+    return parser
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    if args.cost:
+        return CostModel.parse(args.cost)
+    if args.engine_json:
+        return CostModel.from_engine_json(args.engine_json)
+    return CostModel()
+
+
+def _config(args: argparse.Namespace, policy: PolicyName) -> SchedulerConfig:
+    return SchedulerConfig(
+        policy=policy,
+        max_batch_size=args.max_batch_size,
+        token_budget=args.token_budget,
+        max_chunk_tokens=args.token_budget,
+    )
+
+
+def throughput_at_latency(rows: list[dict], policy: str, latency_s: float) -> float:
+    """Highest throughput (req/s) of ``policy`` whose median normalized
+    latency is at most ``latency_s``; 0 when none is."""
+    return max(
+        (
+            row["throughput_rps"]
+            for row in rows
+            if row["policy"] == policy and row["latency_p50_s_per_token"] <= latency_s
+        ),
+        default=0.0,
+    )
+
+
+def _headline(rows: list[dict], policies: list[str]) -> list[dict]:
+    """Throughput ratios against ``request`` at the latencies ``request`` reached."""
+    if "request" not in policies:
+        return []
+    targets = sorted(row["latency_p50_s_per_token"] for row in rows if row["policy"] == "request")
+    headline = []
+    for latency_s in targets:
+        base = throughput_at_latency(rows, "request", latency_s)
+        entry: dict = {"latency_p50_s_per_token": latency_s, "request_rps": base}
+        for policy in policies:
+            if policy != "request":
+                entry[f"{policy}_rps"] = throughput_at_latency(rows, policy, latency_s)
+                entry[f"{policy}_ratio"] = entry[f"{policy}_rps"] / base
+        headline.append(entry)
+    return headline
+
+
+def _tenant_run(args: argparse.Namespace, cluster: ClusterSpec) -> dict[str, list]:
+    """Tenant A sends three times as fast as B; both overload the worker."""
+    duration_s = args.tenant_duration_s
+    heavy = [r for r in orca_trace(100_000, 12.0, args.seed + 1, "A") if r.arrival_s < duration_s]
+    light = [r for r in orca_trace(100_000, 4.0, args.seed + 2, "B") if r.arrival_s < duration_s]
+    trace: list[TraceRequest] = sorted(heavy + light, key=lambda r: r.arrival_s)
+    curves: dict[str, list] = {}
+    for policy in (PolicyName.FAIR, PolicyName.ORCA):
+        result = run_simulation(_config(args, policy), trace, cluster, sample_every_s=1.0)
+        curves[policy.value] = [
+            (t, services) for t, services in result.service_samples if t <= duration_s
+        ]
+    return curves
+
+
+def _plot(rows: list[dict], policies: list[str], tenants: dict[str, list], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for policy in policies:
+        mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate_rps"])
+        axes.plot(
+            [r["throughput_rps"] for r in mine],
+            [r["latency_p50_s_per_token"] for r in mine],
+            marker="o",
+            label=policy,
+        )
+    axes.set_yscale("log")
+    axes.set_xlabel("throughput (requests/s)")
+    axes.set_ylabel("median normalized latency (s/token)")
+    axes.set_title("Orca trace, simulated (cf. Orca Fig. 10)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out / "fig10.png", dpi=120)
+    plt.close(figure)
+    if not tenants:
+        return
+    figure, all_axes = plt.subplots(1, len(tenants), figsize=(10, 4), sharey=True)
+    for axes, (policy, samples) in zip(all_axes, tenants.items(), strict=True):
+        for tenant in ("A", "B"):
+            axes.plot(
+                [t for t, _ in samples], [s.get(tenant, 0.0) for _, s in samples], label=tenant
+            )
+        axes.set_title(f"{policy}: A sends 3x as fast as B")
+        axes.set_xlabel("time (s)")
+        axes.legend()
+    all_axes[0].set_ylabel("accumulated service (weighted tokens)")
+    figure.tight_layout()
+    figure.savefig(out / "tenants.png", dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str]) -> int:
+    """Run the simulation; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        cost_model = _cost_model(args)
+        policies = [PolicyName(name).value for name in args.policies.split(",")]
+        rates = [float(rate) for rate in args.rates.split(",")]
+    except (ConfigError, ValueError) as error:
+        print(f"orcapod simulate: {error}")
+        return 2
+    cluster = ClusterSpec(1, args.num_blocks, args.block_size, args.max_inflight, cost_model)
+    started_s = time.perf_counter()
+    rows = []
+    print(
+        f"{'policy':<8} {'rate':>6} {'req/s':>7} {'tok/s':>8} {'p50 s/tok':>10} {'p99 s/tok':>10}"
+    )
+    for policy in policies:
+        config = _config(args, PolicyName(policy))
+        for rate in rates:
+            trace = orca_trace(args.num_requests, rate, args.seed)
+            row = {"policy": policy, "rate_rps": rate}
+            row.update(summarize(run_simulation(config, trace, cluster)))
+            rows.append(row)
+            print(
+                f"{policy:<8} {rate:>6.2f} {row['throughput_rps']:>7.2f} "
+                f"{row['throughput_tps']:>8.1f} {row['latency_p50_s_per_token']:>10.4f} "
+                f"{row['latency_p99_s_per_token']:>10.4f}"
+            )
+    headline = _headline(rows, policies)
+    for entry in headline:
+        ratios = ", ".join(
+            f"{key[:-6]} {value:.1f}x" for key, value in entry.items() if key.endswith("_ratio")
+        )
+        print(f"at median latency <= {entry['latency_p50_s_per_token']:.4f} s/token: {ratios}")
+    tenants = {} if args.skip_tenants else _tenant_run(args, cluster)
+    for policy, samples in tenants.items():
+        final = samples[-1][1]
+        print(
+            f"two tenants, {policy}: service A {final.get('A', 0):.0f}, B {final.get('B', 0):.0f}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "cost_model": vars(cost_model),
+        "cluster": {"num_blocks": args.num_blocks, "block_size": args.block_size},
+        "rows": rows,
+        "headline": headline,
+        "tenants": tenants,
+    }
+    (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    _plot(rows, policies, tenants, args.out)
+    print(
+        f"wrote {args.out}/results.json, fig10.png, tenants.png "
+        f"in {time.perf_counter() - started_s:.1f} s"
+    )
+    return 0

@@ -1,0 +1,164 @@
+"""A driver for property tests: the scheduler core against simulated workers,
+with cancels and lost workers, checking every invariant after every plan."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_actor.config import PolicyName, SchedulerConfig
+from scheduler_actor.core import Scheduler
+from scheduler_actor.cost_model import CostModel
+from scheduler_actor.request import FinishedRequest, RequestStatus
+from scheduler_actor.sim_worker import SimulatedWorker
+from shared.messages import SamplingParams, StepOutput
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of a random trace."""
+
+    tenant: str
+    num_prompt_tokens: int
+    max_tokens: int
+    arrival_tick: int
+    cancel_tick: int | None = None
+    stop_index: int | None = None
+
+
+@dataclass
+class Outcome:
+    """What a run produced."""
+
+    finished: dict[str, FinishedRequest] = field(default_factory=dict)
+    num_ticks: int = 0
+    num_preemptions: int = 0
+
+
+def prompt_of(index: int, num_tokens: int) -> list[int]:
+    """A recognisable prompt, so a recompute can be checked token by token."""
+    return [index * 7 + position for position in range(num_tokens)]
+
+
+def run(
+    config: SchedulerConfig,
+    jobs: list[Job],
+    num_workers: int,
+    num_blocks: int,
+    block_size: int,
+    max_inflight: int,
+    lost_ticks: dict[int, int] | None = None,
+    max_ticks: int = 50_000,
+) -> Outcome:
+    """Drive the jobs to the end, asserting the invariants on the way."""
+    tick = [0]
+    scheduler = Scheduler(config, lambda: float(tick[0]))
+    stop_indices = {
+        f"r{i}": job.stop_index for i, job in enumerate(jobs) if job.stop_index is not None
+    }
+    workers: dict[str, SimulatedWorker] = {}
+    pending: dict[str, deque[StepOutput]] = {}
+
+    def join(worker_id: str) -> None:
+        scheduler.worker_joined(worker_id, num_blocks, block_size, max_inflight)
+        workers[worker_id] = SimulatedWorker(
+            worker_id, num_blocks, block_size, CostModel(), stop_indices
+        )
+        pending[worker_id] = deque()
+
+    for index in range(num_workers):
+        join(f"w{index}")
+    lost_ticks = lost_ticks or {}
+    outcome = Outcome()
+    spec_generated: dict[str, int] = {}
+    by_tick: dict[int, list[int]] = {}
+    cancels: dict[int, list[int]] = {}
+    for index, job in enumerate(jobs):
+        by_tick.setdefault(job.arrival_tick, []).append(index)
+        if job.cancel_tick is not None:
+            cancels.setdefault(job.cancel_tick, []).append(index)
+    num_submitted = 0
+
+    def record(records: list[FinishedRequest]) -> None:
+        for item in records:
+            assert item.request_id not in outcome.finished, f"{item.request_id} finished twice"
+            outcome.finished[item.request_id] = item
+
+    while num_submitted < len(jobs) or scheduler.requests:
+        assert tick[0] < max_ticks, f"no progress: {len(scheduler.requests)} requests stuck"
+        for index in by_tick.get(tick[0], []):
+            job = jobs[index]
+            scheduler.submit(
+                f"r{index}",
+                job.tenant,
+                prompt_of(index, job.num_prompt_tokens),
+                SamplingParams(max_tokens=job.max_tokens),
+            )
+            num_submitted += 1
+        for index in cancels.get(tick[0], []):
+            record(scheduler.cancel(f"r{index}"))
+        if tick[0] in lost_ticks:
+            worker_id = f"w{lost_ticks[tick[0]] % num_workers}"
+            record(scheduler.worker_lost(worker_id))
+            join(worker_id)
+        for worker_id, worker in workers.items():
+            plan = scheduler.next_plan(worker_id)
+            if plan is not None:
+                _check_plan(scheduler, config, plan, spec_generated, num_blocks)
+                output, _ = worker.execute(plan)
+                pending[worker_id].append(output)
+            queue = pending[worker_id]
+            if queue and (plan is None or len(queue) >= max_inflight):
+                record(scheduler.on_result(queue.popleft()))
+        if config.policy is PolicyName.ORCA and num_workers == 1 and not lost_ticks:
+            _check_fcfs(scheduler)
+        tick[0] += 1
+    outcome.num_ticks = tick[0]
+    outcome.num_preemptions = sum(item.num_preemptions for item in outcome.finished.values())
+    return outcome
+
+
+def _check_plan(scheduler, config, plan, spec_generated, num_blocks) -> None:
+    requests = scheduler.requests
+    ids = [chunk.request_id for chunk in plan.prefill_chunks] + plan.decode_request_ids
+    assert len(ids) == len(set(ids)), "a request twice in one plan"
+    assert len(ids) <= config.max_batch_size
+    if config.policy is PolicyName.FAIR:
+        assert plan.num_new_tokens <= config.token_budget
+    ledger = scheduler.workers[plan.worker_id].ledger
+    assert 0 <= ledger.num_used <= num_blocks
+    for spec in plan.new_requests:
+        request = requests[spec.request_id]
+        assert spec.num_generated == len(request.generated_ids)
+        assert spec.num_prompt_tokens == len(request.prompt_ids) + spec.num_generated
+        spec_generated[spec.request_id] = spec.num_generated
+    for chunk in plan.prefill_chunks:
+        # A recompute continues from the tokens generated so far (token i is 1000 + i).
+        request = requests[chunk.request_id]
+        num_generated = spec_generated[chunk.request_id]
+        context = request.prompt_ids + [1000 + i for i in range(num_generated)]
+        end = chunk.start_position + len(chunk.token_ids)
+        assert chunk.token_ids == context[chunk.start_position : end]
+
+
+def _check_fcfs(scheduler: Scheduler) -> None:
+    """Orca's iteration-level FCFS: among unfinished requests, an earlier
+    arrival has run at least as many iterations as a later one. A request whose
+    last step is planned but not yet answered counts as finished."""
+    live = sorted(
+        (
+            r
+            for r in scheduler.requests.values()
+            if r.status is RequestStatus.WAITING
+            or (r.status is RequestStatus.PLACED and (r.wants_prefill() or r.wants_decode()))
+        ),
+        key=lambda r: r.arrival_seq,
+    )
+    for earlier, later in itertools.pairwise(live):
+        assert earlier.num_iterations >= later.num_iterations, (
+            earlier.request_id,
+            earlier.num_iterations,
+            later.request_id,
+            later.num_iterations,
+        )
