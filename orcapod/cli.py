@@ -13,7 +13,7 @@ import sys
 # subcommand -> ("module:function", one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("gpu_worker.model_prepare:main", "prepare the embedded SmolLM2 model"),
-    "generate": ("gpu_worker.generate:main", "run prompts through the engine in this process"),
+    "generate": ("orcapod.generate:main", "run prompts through the engine in this process"),
     "simulate": ("scheduler_actor.simulate:main", "simulate the policies on the Orca trace"),
 }
 

