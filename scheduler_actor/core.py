@@ -60,7 +60,12 @@ class Scheduler:
         return self._policy.num_waiting
 
     def submit(
-        self, request_id: str, tenant: str, prompt_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        tenant: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        gateway_id: str = "",
     ) -> None:
         """Accept a request; raises InvalidRequestError, DuplicateRequestError or,
         when workers have joined and none could ever hold prompt + max_tokens,
@@ -83,6 +88,7 @@ class Scheduler:
             sampling=sampling,
             arrival_s=self._clock(),
             arrival_seq=self._next_arrival_seq,
+            gateway_id=gateway_id,
         )
         self._next_arrival_seq += 1
         self._requests[request_id] = request

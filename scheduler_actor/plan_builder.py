@@ -63,6 +63,7 @@ class PlanBuilder:
                 num_prompt_tokens=len(request.context_ids),
                 sampling=request.sampling,
                 num_generated=len(request.generated_ids),
+                gateway_id=request.gateway_id,
             )
         )
 

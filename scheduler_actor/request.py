@@ -50,6 +50,7 @@ class Request:
     num_iterations: int = 0
     num_preemptions: int = 0
     is_prompt_charged: bool = False
+    gateway_id: str = ""
 
     @property
     def max_tokens(self) -> int:

@@ -53,6 +53,7 @@ class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_prompt_tokens: int
     sampling: SamplingParams
     num_generated: int = 0
+    gateway_id: str = ""  # where the worker publishes this request's tokens
 
 
 class PrefillChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -124,10 +125,66 @@ class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_
         return [token.request_id for token in self.tokens if token.finish_reason is not None]
 
 
+class SubmitRequest(msgspec.Struct, frozen=True, tag="submit", forbid_unknown_fields=True):
+    """Gateway → scheduler (requests stream): a tokenized, validated request."""
+
+    request_id: str
+    gateway_id: str
+    tenant: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    version: int = WIRE_VERSION
+
+
+class CancelRequest(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
+    """Gateway → scheduler (control stream): stop a request."""
+
+    request_id: str
+    version: int = WIRE_VERSION
+
+
+class WorkerJoined(msgspec.Struct, frozen=True, tag="worker_joined", forbid_unknown_fields=True):
+    """Worker → scheduler (control stream): a worker is ready with this K/V capacity."""
+
+    worker_id: str
+    num_blocks: int
+    block_size: int
+    max_inflight: int
+    version: int = WIRE_VERSION
+
+
+class WorkerLeft(msgspec.Struct, frozen=True, tag="worker_left", forbid_unknown_fields=True):
+    """Worker → scheduler (control stream): a worker is shutting down."""
+
+    worker_id: str
+    version: int = WIRE_VERSION
+
+
+class TokenBatch(msgspec.Struct, frozen=True, tag="token_batch", forbid_unknown_fields=True):
+    """Worker → one gateway (pub/sub): that gateway's tokens of one step."""
+
+    worker_id: str
+    tokens: list[SampledToken]
+    version: int = WIRE_VERSION
+
+
+class RequestRejected(msgspec.Struct, frozen=True, tag="rejected", forbid_unknown_fields=True):
+    """Scheduler → gateway (pub/sub): a request the scheduler could not take."""
+
+    request_id: str
+    code: str  # a client protocol error code, e.g. "prompt_too_long"
+    message: str
+    version: int = WIRE_VERSION
+
+
 WorkerMessage = StepPlan | StepOutput
+ControlMessage = SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft
+GatewayMessage = TokenBatch | RequestRejected
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+_gateway_decoder = msgspec.msgpack.Decoder(GatewayMessage)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -139,3 +196,15 @@ def decode_worker_message(data: bytes) -> StepPlan | StepOutput:
     """Decode a plan or step output; raises ``msgspec.DecodeError`` /
     ``msgspec.ValidationError`` on anything else."""
     return _decoder.decode(data)
+
+
+def decode_control_message(
+    data: bytes,
+) -> SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft:
+    """Decode a message of the requests or control stream."""
+    return _control_decoder.decode(data)
+
+
+def decode_gateway_message(data: bytes) -> TokenBatch | RequestRejected:
+    """Decode a message published to a gateway's channel."""
+    return _gateway_decoder.decode(data)

@@ -49,3 +49,88 @@ def model_location(
     chosen = model_dir or env.get("ORCAPOD_MODEL")
     model = Path(chosen).expanduser() if chosen else embedded_model_dir(cache)
     return ModelLocation(cache_dir=cache, model_dir=model)
+
+
+# --- the live service ---------------------------------------------------------------
+#
+# Each actor's command line is defined here, with the environment variable
+# that stands in for each flag, so `orcapod up`, compose.yaml and a user
+# starting one actor by hand all mean the same thing.
+
+DEFAULT_PREFIX = "orcapod"
+POLICIES = ("fair", "orca", "request")
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where Redis is (``redis://[user:password@]host:port/db`` or ``rediss://`` for TLS)."""
+
+    url: str
+    prefix: str = DEFAULT_PREFIX
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """One websocket gateway."""
+
+    redis: RedisSettings
+    model: ModelLocation
+    gateway_id: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_frame_bytes: int = 1 << 20
+    max_requests_per_socket: int = 64
+    max_tokens_limit: int = 4096
+    heartbeat_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The one scheduler."""
+
+    redis: RedisSettings
+    policy: str = "fair"
+    max_batch_size: int = 64
+    token_budget: int = 512
+    max_chunk_tokens: int = 512
+    worker_timeout_s: float = 10.0
+    max_waiting: int = 10_000
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """One GPU worker."""
+
+    redis: RedisSettings
+    model: ModelLocation
+    worker_id: str
+    device: str | None = None
+    dtype: str | None = None
+    attention_backend: str | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float = 0.25
+    block_size: int = 16
+    max_inflight: int = 2
+    heartbeat_s: float = 1.0
+
+
+def redis_settings(
+    url: str | None = None, prefix: str | None = None, environ: Mapping[str, str] | None = None
+) -> RedisSettings:
+    """Flags first, then ``REDIS_URL`` / ``ORCAPOD_PREFIX``, then localhost."""
+    env = os.environ if environ is None else environ
+    return RedisSettings(
+        url=url or env.get("REDIS_URL") or "redis://127.0.0.1:6379/0",
+        prefix=prefix or env.get("ORCAPOD_PREFIX") or DEFAULT_PREFIX,
+    )
+
+
+def redis_url_from_environment(environ: Mapping[str, str] | None = None) -> str | None:
+    """``REDIS_URL`` if set: `orcapod up` starts its own redis-server when it is not."""
+    env = os.environ if environ is None else environ
+    return env.get("REDIS_URL") or None
+
+
+def default_instance_id(role: str) -> str:
+    """A name for an actor instance: role, host and pid (unique on one Redis)."""
+    return f"{role}-{os.uname().nodename}-{os.getpid()}"

@@ -1,0 +1,65 @@
+"""Every Redis key, stream and channel name, in one place.
+
+All names start with a configurable prefix (default ``orcapod``), so several
+deployments can share one Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULER_GROUP = "scheduler"
+WORKER_GROUP = "worker"
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """Names under one prefix."""
+
+    prefix: str = "orcapod"
+
+    @property
+    def requests(self) -> str:
+        """Stream: SubmitRequest from gateways."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def control(self) -> str:
+        """Stream: CancelRequest, WorkerJoined, WorkerLeft."""
+        return f"{self.prefix}:control"
+
+    @property
+    def results(self) -> str:
+        """Stream: StepOutput from workers to the scheduler."""
+        return f"{self.prefix}:results"
+
+    @property
+    def dead(self) -> str:
+        """Stream: undecodable messages, with where they came from."""
+        return f"{self.prefix}:dead"
+
+    @property
+    def ready(self) -> str:
+        """Key with a TTL: set by the scheduler while at least one worker is registered."""
+        return f"{self.prefix}:ready"
+
+    @property
+    def stats(self) -> str:
+        """Hash: service counters (steps, busy time, ...) written by workers."""
+        return f"{self.prefix}:stats"
+
+    def plans(self, worker_id: str) -> str:
+        """Stream: the StepPlans of one worker, in order."""
+        return f"{self.prefix}:plans:{worker_id}"
+
+    def tokens(self, gateway_id: str) -> str:
+        """Pub/sub channel: TokenBatch and RequestRejected for one gateway."""
+        return f"{self.prefix}:tokens:{gateway_id}"
+
+    def worker_heartbeat(self, worker_id: str) -> str:
+        """Key with a TTL, refreshed while the worker lives."""
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def gateway_heartbeat(self, gateway_id: str) -> str:
+        """Key with a TTL, refreshed while the gateway lives."""
+        return f"{self.prefix}:gateway:{gateway_id}"

@@ -1,0 +1,55 @@
+"""Process setup for actors: structlog, and the event loop (uvloop when installed).
+
+structlog setup: JSON lines when not on a terminal, pretty output on one.
+
+Call ``configure_logging(role)`` once at the start of an actor's process;
+bind ``request_id`` with ``structlog.contextvars.bind_contextvars`` where a
+request is handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import structlog
+
+T = TypeVar("T")
+
+
+def configure_logging(role: str, level: str = "info") -> structlog.stdlib.BoundLogger:
+    """Configure structlog for this process and return a logger bound to ``role``."""
+    renderer: structlog.typing.Processor
+    if sys.stderr.isatty():
+        renderer = structlog.dev.ConsoleRenderer()
+    else:
+        renderer = structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logger: structlog.stdlib.BoundLogger = structlog.get_logger().bind(role=role)
+    return logger
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop when it is installed, else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

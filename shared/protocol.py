@@ -1,0 +1,130 @@
+"""The client protocol: JSON text frames on ``ws://HOST:PORT/ws``.
+
+Every frame is an object with a ``type`` field. Client → server: ``generate``,
+``cancel``, ``resume``. Server → client: ``accepted``, ``token``, ``done``,
+``error``. Many requests may be in flight on one socket; ``id`` is the
+client's name for a request, ``request_id`` the service's.
+
+Ranges are part of the types (msgspec ``Meta``), so a decode error already
+says which field is wrong and why.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+ErrorCode = Literal["invalid_request", "unauthorized", "queue_full", "prompt_too_long", "internal"]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One turn of a conversation, rendered with the model's chat template."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    content: Annotated[str, msgspec.Meta(max_length=1_000_000)]
+
+
+class Generate(
+    msgspec.Struct, frozen=True, tag="generate", tag_field="type", forbid_unknown_fields=True
+):
+    """Start a request: exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
+
+    id: ClientId
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]] = []
+    ignore_eos: bool = False
+
+
+class Cancel(
+    msgspec.Struct, frozen=True, tag="cancel", tag_field="type", forbid_unknown_fields=True
+):
+    """Stop a request of this socket; it ends with ``done`` (finish_reason cancelled)."""
+
+    id: ClientId
+
+
+class Resume(
+    msgspec.Struct, frozen=True, tag="resume", tag_field="type", forbid_unknown_fields=True
+):
+    """Reattach to a request (after a reconnect) and receive tokens after ``after_seq``."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    after_seq: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    id: ClientId | None = None
+
+
+ClientMessage = Generate | Cancel | Resume
+
+
+class Accepted(msgspec.Struct, frozen=True, tag="accepted", tag_field="type"):
+    """The request is queued under ``request_id``."""
+
+    id: str
+    request_id: str
+
+
+class Token(msgspec.Struct, frozen=True, tag="token", tag_field="type"):
+    """New text of a request; ``seq`` counts generated tokens from 0."""
+
+    id: str
+    seq: int
+    text: str
+    token_id: int
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct, frozen=True):
+    ttft_ms: float | None
+    total_ms: float
+
+
+class Done(msgspec.Struct, frozen=True, tag="done", tag_field="type"):
+    """The request ended; nothing more comes for ``id``."""
+
+    id: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+    timings: Timings
+
+
+class Error(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
+    """Something was wrong; ``id`` names the request when there is one."""
+
+    code: ErrorCode
+    message: str
+    id: str | None = None
+
+
+ServerMessage = Accepted | Token | Done | Error
+
+_client_decoder = msgspec.json.Decoder(ClientMessage)
+_server_decoder = msgspec.json.Decoder(ServerMessage)
+_json_encoder = msgspec.json.Encoder()
+
+
+def decode_client_message(frame: str | bytes) -> Generate | Cancel | Resume:
+    """Parse a client frame; raises ``msgspec.DecodeError``/``ValidationError`` with the reason."""
+    return _client_decoder.decode(frame)
+
+
+def decode_server_message(frame: str | bytes) -> Accepted | Token | Done | Error:
+    """Parse a server frame (for clients and tests)."""
+    return _server_decoder.decode(frame)
+
+
+def encode_json(message: msgspec.Struct) -> str:
+    """A protocol message as the JSON text of one frame."""
+    return _json_encoder.encode(message).decode("utf-8")
