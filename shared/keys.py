@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Every stream entry holds one field: the MessagePack bytes of a shared.messages Struct.
+MESSAGE_FIELD = "m"
 SCHEDULER_GROUP = "scheduler"
 WORKER_GROUP = "worker"
 
