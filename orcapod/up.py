@@ -1,0 +1,179 @@
+"""``orcapod up``: the whole service on one machine.
+
+Starts (when ``REDIS_URL`` is unset) an embedded redis-server, then the
+scheduler, N workers and M gateways, each as its own process whose command
+line names its role (``python -m gpu_worker --worker-id worker-0``); gateway
+i listens on port + i. Prints the URLs once a gateway reports healthy.
+Ctrl-C or SIGTERM stops everything in order and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import FrameType
+
+from orcapod.embedded_redis import EmbeddedRedisError, remove_data, start_embedded_redis
+from orcapod.processes import (
+    Child,
+    environment_with,
+    first_exited,
+    python_module,
+    start_child,
+    stop_children,
+)
+from shared.settings import POLICIES, model_location, redis_url_from_environment
+
+READY_TIMEOUT_S = 300.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orcapod up", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="gateways bind here")
+    parser.add_argument("--port", type=int, default=8000, help="port of gateway 0 (i: port + i)")
+    parser.add_argument("--policy", choices=POLICIES, default="fair")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--gateways", type=int, default=1)
+    parser.add_argument("--model", default=None, help="HF-format model dir (default: embedded)")
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to every worker, e.g. --worker-arg=--kv-cache-bytes=268435456",
+    )
+    parser.add_argument(
+        "--scheduler-arg", action="append", default=[], help="extra flag passed to the scheduler"
+    )
+    return parser
+
+
+def _ensure_model(model_arg: str | None) -> str:
+    location = model_location(model_dir=model_arg)
+    if location.is_embedded and not location.model_dir.is_dir():
+        from gpu_worker.model_prepare import prepare_model
+
+        print("preparing the embedded model (once)...", flush=True)
+        prepare_model(location.cache_dir)
+    return str(location.model_dir)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return int(response.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``orcapod up``."""
+    args = _parser().parse_args(argv)
+    if args.workers < 1 or args.gateways < 1:
+        print("orcapod up: --workers and --gateways must be >= 1", file=sys.stderr)
+        return 2
+    stopping = threading.Event()
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+    model_dir = _ensure_model(args.model)
+    redis_url = redis_url_from_environment()
+    embedded = None
+    if redis_url is None:
+        try:
+            embedded = start_embedded_redis()
+        except EmbeddedRedisError as error:
+            print(f"orcapod up: {error}", file=sys.stderr)
+            return 1
+        redis_url = embedded.url
+        print(f"embedded redis-server on {redis_url.split('@')[-1]} (password protected)")
+    env = environment_with(REDIS_URL=redis_url)
+
+    scheduler = start_child(
+        "scheduler",
+        python_module("scheduler_actor", "--policy", args.policy, *args.scheduler_arg),
+        env,
+    )
+    workers = [
+        start_child(
+            f"worker-{i}",
+            python_module(
+                "gpu_worker", "--worker-id", f"worker-{i}", "--model", model_dir, *args.worker_arg
+            ),
+            env,
+        )
+        for i in range(args.workers)
+    ]
+    gateways = [
+        start_child(
+            f"gateway-{i}",
+            python_module(
+                "gateway",
+                "--gateway-id",
+                f"gateway-{i}",
+                "--host",
+                args.host,
+                "--port",
+                str(args.port + i),
+                "--model",
+                model_dir,
+            ),
+            env,
+        )
+        for i in range(args.gateways)
+    ]
+    # Stop order: stop accepting first, then the work, then the store.
+    stop_order: list[Child] = [*gateways, *workers, scheduler]
+    if embedded is not None:
+        stop_order.append(embedded.child)
+
+    exit_code = 0
+    try:
+        health_url = f"http://{args.host}:{args.port}/healthz"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        ready = False
+        while not stopping.is_set():
+            crashed = first_exited(stop_order)
+            if crashed is not None:
+                print(
+                    f"orcapod up: {crashed.name} exited with code {crashed.process.returncode}; "
+                    "stopping everything",
+                    file=sys.stderr,
+                )
+                exit_code = 1
+                break
+            if not ready and _healthy(health_url):
+                ready = True
+                print("orcapod is ready:", flush=True)
+                for i in range(args.gateways):
+                    print(
+                        f"  ws://{args.host}:{args.port + i}/ws   (healthz: "
+                        f"http://{args.host}:{args.port + i}/healthz)",
+                        flush=True,
+                    )
+                print(f"  policy {args.policy}, {args.workers} worker(s), model {model_dir}")
+                print(
+                    "  chat with: orcapod chat --url "
+                    f"ws://{args.host}:{args.port}/ws   (Ctrl-C here stops everything)",
+                    flush=True,
+                )
+            if not ready and time.monotonic() > deadline:
+                print("orcapod up: no gateway became healthy in time", file=sys.stderr)
+                exit_code = 1
+                break
+            stopping.wait(0.25)
+    finally:
+        print("stopping...", flush=True)
+        stop_children(stop_order)
+        if embedded is not None:
+            remove_data(embedded)
+    print("stopped.")
+    return exit_code

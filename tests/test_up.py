@@ -1,0 +1,178 @@
+"""`orcapod up` for real: embedded redis-server, scheduler, worker and two gateways
+as processes; a websocket client on each gateway; `orcapod chat` in a pipe;
+SIGTERM stops everything with no process left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+
+from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _children_of(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live descendant of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if parent == pid and state != "Z":
+            found.append((int(entry.name), cmdline))
+            found += _children_of(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def service(prepared_model_dir, tmp_path):
+    port = free_port()
+    while free_port() == port + 1:
+        pass
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orcapod",
+            "up",
+            "--port",
+            str(port),
+            "--gateways",
+            "2",
+            "--model",
+            str(prepared_model_dir),
+            "--worker-arg=--kv-cache-bytes=134217728",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + 180
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "orcapod is ready" in line:
+            break
+    else:
+        process.kill()
+    if not any("orcapod is ready" in line for line in lines):
+        process.kill()
+        pytest.fail("orcapod up did not become ready:\n" + "".join(lines[-40:]))
+    yield process, port, lines
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+async def _generate(url: str, question: str, max_tokens: int = 12) -> tuple[str, Done]:
+    async with connect(url) as socket:
+        await socket.send(
+            encode_json(
+                Generate(
+                    id="q",
+                    messages=[{"role": "user", "content": question}],  # type: ignore[list-item]
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                )
+            )
+        )
+        text = []
+        seqs = []
+        while True:
+            message = decode_server_message(await asyncio.wait_for(socket.recv(), 60))
+            if isinstance(message, Token):
+                text.append(message.text)
+                seqs.append(message.seq)
+            elif isinstance(message, Done):
+                assert seqs == list(range(len(seqs)))
+                return "".join(text), message
+
+
+def test_up_serves_on_every_gateway_and_stops_cleanly(service):
+    process, port, lines = service
+    # Each actor is its own process, named by its command line.
+    commands = [cmd for _, cmd in _children_of(process.pid)]
+    for role in ("redis-server", "-m scheduler_actor", "-m gpu_worker", "-m gateway"):
+        assert any(role in cmd for cmd in commands), (role, commands)
+    assert sum("-m gateway" in cmd for cmd in commands) == 2
+    # The embedded Redis password never shows on a command line.
+    assert not any("requirepass" in cmd or "@127.0.0.1" in cmd for cmd in commands)
+
+    for gateway_port in (port, port + 1):
+        text, done = asyncio.run(
+            _generate(f"ws://127.0.0.1:{gateway_port}/ws", "What is the capital of France?")
+        )
+        assert "Paris" in text
+        assert done.finish_reason in ("stop", "length")
+        assert done.usage.completion_tokens >= 1
+
+    pids = [pid for pid, _ in _children_of(process.pid)]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    time.sleep(0.2)
+    for pid in pids:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )
+
+
+def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(service):
+    _, port, _ = service
+    chat = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orcapod",
+            "chat",
+            "--url",
+            f"ws://127.0.0.1:{port}/ws",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "400",
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert chat.stdin is not None and chat.stdout is not None
+    chat.stdin.write("Write a very long story about a dragon.\n")
+    chat.stdin.flush()
+    time.sleep(6)  # the answer is streaming now
+    chat.send_signal(signal.SIGINT)
+    time.sleep(1)
+    chat.stdin.write("What is the capital of France? Answer in one word.\n")
+    chat.stdin.flush()
+    time.sleep(5)
+    chat.stdin.write("/quit\n")
+    chat.stdin.flush()
+    output, _ = chat.communicate(timeout=60)
+    assert chat.returncode == 0, output
+    assert "[cancelled]" in output  # Ctrl-C ended the first answer, not the client
+    assert "Paris" in output.split("[cancelled]", 1)[1]
