@@ -112,7 +112,7 @@ async def _generate(url: str, question: str, max_tokens: int = 12) -> tuple[str,
 
 
 def test_up_serves_on_every_gateway_and_stops_cleanly(service):
-    process, port, lines = service
+    process, port, _ = service
     # Each actor is its own process, named by its command line.
     commands = [cmd for _, cmd in _children_of(process.pid)]
     for role in ("redis-server", "-m scheduler_actor", "-m gpu_worker", "-m gateway"):
