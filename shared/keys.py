@@ -41,6 +41,11 @@ class RedisKeys:
         return f"{self.prefix}:dead"
 
     @property
+    def epoch(self) -> str:
+        """Counter: INCR by each scheduler incarnation; plans carry it (fencing)."""
+        return f"{self.prefix}:epoch"
+
+    @property
     def ready(self) -> str:
         """Key with a TTL: set by the scheduler while at least one worker is registered."""
         return f"{self.prefix}:ready"

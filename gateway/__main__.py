@@ -1,0 +1,86 @@
+"""``python -m gateway``: run one websocket gateway until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import structlog
+
+from gateway.server import GatewayServer
+from gateway.tokenizer import ChatTokenizer
+from gateway.validation import ModelLimits
+from shared.log import configure_logging, run_event_loop
+from shared.settings import (
+    GatewaySettings,
+    default_instance_id,
+    model_location,
+    redis_settings,
+)
+
+DEFAULTS = GatewaySettings(redis=redis_settings(), model=model_location(), gateway_id="")
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
+    """Settings from flags, then the environment (via shared.settings), then defaults."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway", description="orcapod's websocket gateway"
+    )
+    parser.add_argument("--host", default=DEFAULTS.host)
+    parser.add_argument("--port", type=int, default=DEFAULTS.port, help="0 picks a free port")
+    parser.add_argument("--gateway-id", help="unique per Redis (default: gateway-HOST-PID)")
+    parser.add_argument("--redis-url", help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefix", help="Redis key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+    parser.add_argument("--model", help="Hugging Face-format model directory (default: embedded)")
+    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULTS.max_frame_bytes)
+    parser.add_argument(
+        "--max-requests-per-socket", type=int, default=DEFAULTS.max_requests_per_socket
+    )
+    parser.add_argument("--max-tokens-limit", type=int, default=DEFAULTS.max_tokens_limit)
+    args = parser.parse_args(argv)
+    return GatewaySettings(
+        redis=redis_settings(url=args.redis_url, prefix=args.prefix),
+        model=model_location(model_dir=args.model),
+        gateway_id=args.gateway_id or default_instance_id("gateway"),
+        host=args.host,
+        port=args.port,
+        max_frame_bytes=args.max_frame_bytes,
+        max_requests_per_socket=args.max_requests_per_socket,
+        max_tokens_limit=args.max_tokens_limit,
+    )
+
+
+async def serve_until_signalled(settings: GatewaySettings) -> None:
+    """Load the tokenizer, then serve until SIGINT or SIGTERM asks for a graceful stop."""
+    tokenizer = ChatTokenizer.from_model_dir(settings.model.model_dir)
+    limits = ModelLimits.from_model_dir(
+        settings.model.model_dir, tokenizer.vocab_size, settings.max_tokens_limit
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signal_number, stop.set)
+    await GatewayServer(settings, tokenizer, limits).run(stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    settings = parse_settings(argv)
+    logger = configure_logging("gateway")
+    # Every module's logger then names the actor, not just this one.
+    structlog.contextvars.bind_contextvars(role="gateway", gateway_id=settings.gateway_id)
+    # Host and port only: the URL may hold a password.
+    redis_address = urlsplit(settings.redis.url)
+    logger.info(
+        "starting gateway",
+        redis=f"{redis_address.hostname}:{redis_address.port}",
+    )
+    run_event_loop(serve_until_signalled(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""``python -m gpu_worker``: load the model, size the K/V cache, serve plans until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+import sys
+from collections.abc import Sequence
+
+from gpu_worker.actor import WorkerActor
+from gpu_worker.engine import Engine, load_model
+from gpu_worker.kv_cache import KVCacheBudget
+from shared.log import configure_logging, run_event_loop
+from shared.redis_streams import connect
+from shared.settings import WorkerSettings, default_instance_id, model_location, redis_settings
+
+# One source of defaults: the settings dataclass.
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(WorkerSettings)}
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
+    """Settings from flags, falling back to the environment (shared.settings)."""
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__)
+    parser.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefix", help="key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+    parser.add_argument("--worker-id", help="default: worker-<host>-<pid>")
+    parser.add_argument("--model", help="HF-format model dir (default: $ORCAPOD_MODEL or SmolLM2)")
+    parser.add_argument("--cache-dir", help="prepared models (default: $ORCAPOD_CACHE_DIR)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: CUDA when present)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--backend", help="attention backend (default: the device's fastest)")
+    parser.add_argument("--kv-cache-bytes", type=int, help="K/V pool size in bytes")
+    parser.add_argument("--kv-cache-fraction", type=float, default=DEFAULTS["kv_cache_fraction"])
+    parser.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
+    parser.add_argument("--max-inflight", type=int, default=DEFAULTS["max_inflight"])
+    parser.add_argument("--heartbeat-s", type=float, default=DEFAULTS["heartbeat_s"])
+    args = parser.parse_args(argv)
+    return WorkerSettings(
+        redis=redis_settings(url=args.redis_url, prefix=args.prefix),
+        model=model_location(model_dir=args.model, cache_dir=args.cache_dir),
+        worker_id=args.worker_id or default_instance_id("worker"),
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.backend,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_fraction=args.kv_cache_fraction,
+        block_size=args.block_size,
+        max_inflight=args.max_inflight,
+        heartbeat_s=args.heartbeat_s,
+    )
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    """The model on its device and a K/V pool of the configured size."""
+    model = load_model(settings.model.model_dir, settings.device, settings.dtype)
+    budget = KVCacheBudget(
+        num_bytes=settings.kv_cache_bytes,
+        fraction=settings.kv_cache_fraction,
+        block_size=settings.block_size,
+    )
+    return Engine(model, budget, settings.attention_backend, worker_id=settings.worker_id)
+
+
+async def serve(settings: WorkerSettings, engine: Engine) -> None:
+    """Run the actor until a signal asks it to stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    redis = connect(settings.redis.url)
+    try:
+        await WorkerActor(settings, redis, engine).run(stop)
+    finally:
+        await redis.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; exit status 0 after a clean shutdown."""
+    settings = parse_settings(argv)
+    log = configure_logging("worker")
+    log.info("loading_model", model_dir=str(settings.model.model_dir), worker_id=settings.worker_id)
+    engine = build_engine(settings)
+    run_event_loop(serve(settings, engine))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The GPU worker actor: the asyncio shell around one ``Engine``.
+
+Four owned tasks in one TaskGroup, joined by two queues:
+
+- the *reader* XREADGROUPs this worker's plan stream and queues plans in order;
+- the *executor* runs each plan with ``asyncio.to_thread(engine.step, plan)``,
+  so the loop keeps doing Redis I/O meanwhile, and hands the output on;
+- the *publisher* sends each step's effects in one pipelined round trip: one
+  PUBLISH of a TokenBatch per gateway, the StepOutput to the results stream,
+  the stats counters, then the XACK of the plan;
+- the *heartbeat* refreshes the worker's TTL key and re-registers when a new
+  scheduler (a new epoch) starts.
+
+The executor never waits for the publisher: with two plans in flight (the
+scheduler sends plan k+1 before result k returns), the next plan is already
+queued when a step ends, so the engine runs back to back at saturation.
+
+Fencing: plans of an epoch older than the newest seen are skipped; the first
+plan of a newer epoch drops every request of the old scheduler first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import msgspec
+import redis.asyncio as aioredis
+import structlog
+
+from gpu_worker.engine import Engine, PlanError
+from shared.keys import WORKER_GROUP, RedisKeys
+from shared.messages import (
+    SampledToken,
+    StepOutput,
+    StepPlan,
+    TokenBatch,
+    WorkerJoined,
+    WorkerLeft,
+    decode_worker_message,
+    encode,
+)
+from shared.redis_streams import (
+    StreamEntry,
+    position_group_at_end,
+    queue_dead_letter,
+    read_group,
+    send_message,
+    xadd_message,
+)
+from shared.settings import WorkerSettings
+
+READ_BLOCK_MS = 100
+READ_COUNT = 16
+RESULT_STREAM_MAXLEN = 100_000
+SUMMARY_EVERY_STEPS = 200
+# The heartbeat key outlives a few missed refreshes before the worker counts as gone.
+HEARTBEAT_TTL_FACTOR = 3
+
+_log = structlog.get_logger(__name__)
+
+
+def decode_step_plan(data: bytes) -> StepPlan:
+    """A StepPlan of a plan stream; anything else is refused."""
+    message = decode_worker_message(data)
+    if not isinstance(message, StepPlan):
+        raise ValueError(f"expected a step_plan, got {type(message).__name__}")
+    return message
+
+
+@dataclass
+class _Done:
+    """What the publisher sends for one plan entry."""
+
+    entry_id: bytes
+    output: StepOutput | None  # None: a skipped plan, only acknowledged
+    batches: dict[str, list[SampledToken]] = field(default_factory=dict)
+    dead_plan: tuple[str, bytes] | None = None  # (error, plan bytes) of a refused plan
+
+
+class WorkerActor:
+    """Registers an engine's K/V capacity and runs the plans the scheduler sends it."""
+
+    def __init__(self, settings: WorkerSettings, redis: aioredis.Redis, engine: Engine) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.keys = RedisKeys(settings.redis.prefix)
+        self.engine = engine
+        self.epoch = 0
+        self._redis = redis
+        self._plans_stream = self.keys.plans(self.worker_id)
+        self._gateway_ids: dict[str, str] = {}
+        self._joined_epoch: int | None = None
+        self._window_started_s = time.monotonic()
+        self._window_busy_s = 0.0
+        self._num_steps = 0
+
+    @property
+    def heartbeat_ttl_ms(self) -> int:
+        """Lifetime of the heartbeat key after each refresh."""
+        return max(1000, int(HEARTBEAT_TTL_FACTOR * self.settings.heartbeat_s * 1000))
+
+    def joined_message(self) -> WorkerJoined:
+        """The registration this worker sends."""
+        return WorkerJoined(
+            worker_id=self.worker_id,
+            num_blocks=self.engine.num_blocks,
+            block_size=self.engine.block_size,
+            max_inflight=self.settings.max_inflight,
+        )
+
+    async def register(self) -> None:
+        """Announce ourselves alive, then join.
+
+        The plan group is moved to the stream's end *before* the join is sent:
+        everything already there was meant for an earlier incarnation of this
+        worker id, and every plan for this one is written after the scheduler
+        reads the join, so it lies past that point and is delivered.
+        """
+        await self._redis.set(
+            self.keys.worker_heartbeat(self.worker_id), b"1", px=self.heartbeat_ttl_ms
+        )
+        await position_group_at_end(self._redis, self._plans_stream, WORKER_GROUP)
+        epoch = await self._redis.get(self.keys.epoch)
+        self._joined_epoch = None if epoch is None else int(epoch)
+        await send_message(self._redis, self.keys.control, self.joined_message())
+        _log.info(
+            "worker_registered",
+            worker_id=self.worker_id,
+            num_blocks=self.engine.num_blocks,
+            block_size=self.engine.block_size,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Register, serve plans until ``stop`` is set, then leave."""
+        await self.register()
+        plans: asyncio.Queue[StreamEntry[StepPlan] | None] = asyncio.Queue()
+        done: asyncio.Queue[_Done | None] = asyncio.Queue()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._heartbeat(stop))
+            tasks.create_task(self._read(stop, plans))
+            tasks.create_task(self._execute(stop, plans, done))
+            tasks.create_task(self._publish(done))
+        await send_message(self._redis, self.keys.control, WorkerLeft(worker_id=self.worker_id))
+        await self._redis.delete(self.keys.worker_heartbeat(self.worker_id))
+        _log.info("worker_left", worker_id=self.worker_id, num_steps=self._num_steps)
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat_s)
+            if stop.is_set():
+                return
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(self.keys.worker_heartbeat(self.worker_id), b"1", px=self.heartbeat_ttl_ms)
+            pipe.get(self.keys.epoch)
+            _, raw_epoch = await pipe.execute()
+            epoch = None if raw_epoch is None else int(raw_epoch)
+            if self._joined_epoch is not None and epoch is not None and epoch != self._joined_epoch:
+                # A new scheduler knows nothing of us until we join again.
+                await send_message(self._redis, self.keys.control, self.joined_message())
+                _log.info("worker_rejoined", worker_id=self.worker_id, epoch=epoch)
+            if epoch is not None:
+                self._joined_epoch = epoch
+
+    async def _read(
+        self, stop: asyncio.Event, plans: asyncio.Queue[StreamEntry[StepPlan] | None]
+    ) -> None:
+        decoders = {self._plans_stream: decode_step_plan}
+        try:
+            while not stop.is_set():
+                for entry in await read_group(
+                    self._redis,
+                    WORKER_GROUP,
+                    self.worker_id,
+                    decoders,
+                    self.keys.dead,
+                    block_ms=READ_BLOCK_MS,
+                    count=READ_COUNT,
+                ):
+                    plans.put_nowait(entry)
+        finally:
+            plans.put_nowait(None)
+
+    async def _execute(
+        self,
+        stop: asyncio.Event,
+        plans: asyncio.Queue[StreamEntry[StepPlan] | None],
+        done: asyncio.Queue[_Done | None],
+    ) -> None:
+        try:
+            while (entry := await plans.get()) is not None and not stop.is_set():
+                done.put_nowait(await self._run_plan(entry))
+        finally:
+            # Plans left unrun stay pending; the scheduler recomputes their requests.
+            done.put_nowait(None)
+
+    async def _run_plan(self, entry: StreamEntry[StepPlan]) -> _Done:
+        plan = entry.message
+        if plan.epoch < self.epoch:
+            _log.info("stale_plan_skipped", step_index=plan.step_index, epoch=plan.epoch)
+            return _Done(entry.entry_id, None)
+        if plan.epoch > self.epoch:
+            await self._forget_everything(plan.epoch)
+        plan = self._release_stale_admissions(plan)
+        try:
+            output = await asyncio.to_thread(self.engine.step, plan)
+        except PlanError as error:
+            _log.error("plan_refused", step_index=plan.step_index, error=str(error))
+            empty = StepOutput(
+                worker_id=self.worker_id, epoch=plan.epoch, step_index=plan.step_index
+            )
+            return _Done(entry.entry_id, empty, dead_plan=(str(error), encode(plan)))
+        gateway_ids = self._gateway_ids
+        for spec in plan.new_requests:
+            gateway_ids[spec.request_id] = spec.gateway_id
+        for request_id in plan.released_request_ids:
+            gateway_ids.pop(request_id, None)
+        batches: dict[str, list[SampledToken]] = defaultdict(list)
+        for token in output.tokens:
+            if token.finish_reason is None:
+                batches[gateway_ids.get(token.request_id, "")].append(token)
+            else:
+                batches[gateway_ids.pop(token.request_id, "")].append(token)
+        self._count(output)
+        return _Done(entry.entry_id, output, dict(batches))
+
+    async def _forget_everything(self, epoch: int) -> None:
+        """A new scheduler: drop the old one's requests (their K/V goes back to the pool)."""
+        stale_ids = self.engine.active_request_ids
+        if stale_ids:
+            release = StepPlan(
+                worker_id=self.worker_id,
+                epoch=epoch,
+                step_index=-1,
+                released_request_ids=stale_ids,
+            )
+            await asyncio.to_thread(self.engine.step, release)
+        self._gateway_ids.clear()
+        _log.info("new_epoch", epoch=epoch, num_dropped=len(stale_ids))
+        self.epoch = epoch
+
+    def _release_stale_admissions(self, plan: StepPlan) -> StepPlan:
+        """A plan admits a request only when the scheduler holds no state of it here,
+        so state the engine still has for it (a plan of an earlier incarnation of
+        this worker id, read before the scheduler saw our join) is stale: drop it."""
+        if not plan.new_requests:
+            return plan
+        active = set(self.engine.active_request_ids)
+        released = set(plan.released_request_ids)
+        stale_ids = [
+            spec.request_id
+            for spec in plan.new_requests
+            if spec.request_id in active and spec.request_id not in released
+        ]
+        if not stale_ids:
+            return plan
+        _log.warning("stale_requests_released", request_ids=stale_ids)
+        return msgspec.structs.replace(
+            plan, released_request_ids=[*plan.released_request_ids, *stale_ids]
+        )
+
+    async def _publish(self, done: asyncio.Queue[_Done | None]) -> None:
+        stats = self.keys.stats
+        while (item := await done.get()) is not None:
+            pipe = self._redis.pipeline(transaction=False)
+            if item.dead_plan is not None:
+                error, data = item.dead_plan
+                queue_dead_letter(pipe, self.keys.dead, self._plans_stream, error, data)
+            for gateway_id, tokens in item.batches.items():
+                batch = TokenBatch(worker_id=self.worker_id, tokens=tokens)
+                pipe.publish(self.keys.tokens(gateway_id), encode(batch))
+            output = item.output
+            if output is not None:
+                xadd_message(pipe, self.keys.results, output, maxlen=RESULT_STREAM_MAXLEN)
+                if output.num_new_tokens:
+                    pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)
+                    pipe.hincrby(stats, f"{self.worker_id}:num_steps", 1)
+                    pipe.hincrby(stats, f"{self.worker_id}:num_tokens", output.num_new_tokens)
+            pipe.xack(self._plans_stream, WORKER_GROUP, item.entry_id)
+            await pipe.execute()
+
+    def _count(self, output: StepOutput) -> None:
+        """The hot loop's log: one summary line every SUMMARY_EVERY_STEPS steps."""
+        if not output.num_new_tokens:
+            return
+        self._num_steps += 1
+        self._window_busy_s += output.step_ms / 1000
+        if self._num_steps % SUMMARY_EVERY_STEPS == 0:
+            now = time.monotonic()
+            wall_s = max(now - self._window_started_s, 1e-9)
+            _log.info(
+                "worker_summary",
+                num_steps=self._num_steps,
+                num_tokens=self.engine.stats.num_tokens,
+                busy_fraction=round(self._window_busy_s / wall_s, 3),
+                num_active_requests=len(self.engine.active_request_ids),
+                num_free_blocks=self.engine.num_free_blocks,
+            )
+            self._window_started_s, self._window_busy_s = now, 0.0

@@ -1,0 +1,63 @@
+"""``python -m scheduler_actor``: run the one scheduler until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+from scheduler_actor.actor import SchedulerActor
+from shared.log import configure_logging, run_event_loop
+from shared.redis_streams import connect
+from shared.settings import POLICIES, SchedulerSettings, redis_settings
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
+    """Settings from flags, falling back to the environment (shared.settings)."""
+    defaults = SchedulerSettings(redis=redis_settings())
+    parser = argparse.ArgumentParser(prog="python -m scheduler_actor", description=__doc__)
+    parser.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefix", help="key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+    parser.add_argument("--policy", choices=POLICIES, default=defaults.policy)
+    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
+    parser.add_argument("--token-budget", type=int, default=defaults.token_budget)
+    parser.add_argument("--max-chunk-tokens", type=int, default=defaults.max_chunk_tokens)
+    parser.add_argument("--worker-timeout-s", type=float, default=defaults.worker_timeout_s)
+    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting)
+    args = parser.parse_args(argv)
+    return SchedulerSettings(
+        redis=redis_settings(url=args.redis_url, prefix=args.prefix),
+        policy=args.policy,
+        max_batch_size=args.max_batch_size,
+        token_budget=args.token_budget,
+        max_chunk_tokens=args.max_chunk_tokens,
+        worker_timeout_s=args.worker_timeout_s,
+        max_waiting=args.max_waiting,
+    )
+
+
+async def serve(settings: SchedulerSettings) -> None:
+    """Run the actor until a signal asks it to stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    redis = connect(settings.redis.url)
+    try:
+        await SchedulerActor(settings, redis).run(stop)
+    finally:
+        await redis.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; exit status 0 after a clean shutdown."""
+    settings = parse_settings(argv)
+    configure_logging("scheduler")
+    run_event_loop(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

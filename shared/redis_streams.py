@@ -1,0 +1,163 @@
+"""Redis streams behind a tiny generic transport: connect, consumer groups,
+read-and-decode with dead-lettering, ack, and XADD of a wire Struct.
+
+Both the scheduler and the workers speak to Redis through these helpers, so
+neither sees raw stream replies. An entry that does not decode never reaches
+the caller: it goes to the dead stream with where it came from and why, is
+acknowledged, and reading goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.client import Pipeline
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from shared.keys import MESSAGE_FIELD
+from shared.messages import encode
+
+T = TypeVar("T")
+
+# The dead stream only helps a human debug; keep its most recent entries.
+DEAD_STREAM_MAXLEN = 10_000
+
+_log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry(Generic[T]):
+    """One decoded entry of a stream read through a consumer group."""
+
+    stream: str
+    entry_id: bytes
+    message: T
+
+
+def connect(url: str) -> aioredis.Redis:
+    """A client that retries on lost connections with exponential backoff.
+
+    Replies stay bytes: every payload is MessagePack.
+    """
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=30,
+    )
+
+
+async def ensure_group(redis: aioredis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
+    """Create ``group`` on ``stream`` (and the stream) if missing; True if it was created.
+
+    ``start_id`` only applies to a new group: "0" delivers what the stream
+    already holds, "$" only what is added from now on.
+    """
+    try:
+        await redis.xgroup_create(stream, group, id=start_id, mkstream=True)
+    except ResponseError as error:
+        if "BUSYGROUP" not in str(error):
+            raise
+        return False
+    return True
+
+
+async def position_group_at_end(redis: aioredis.Redis, stream: str, group: str) -> None:
+    """Create ``group`` on ``stream`` if missing and move it to the stream's end,
+    so that nothing already in the stream is ever delivered to it."""
+    if not await ensure_group(redis, stream, group, start_id="$"):
+        await redis.xgroup_setid(stream, group, id="$")
+
+
+async def read_group(
+    redis: aioredis.Redis,
+    group: str,
+    consumer: str,
+    decoders: Mapping[str, Callable[[bytes], T]],
+    dead_stream: str,
+    *,
+    block_ms: int,
+    count: int,
+) -> list[StreamEntry[T]]:
+    """New entries of every stream in ``decoders`` (in that order), each
+    decoded by its stream's decoder; undecodable ones are dead-lettered and
+    acknowledged, never returned. Waits at most ``block_ms`` for the first."""
+    reply = await redis.xreadgroup(
+        group, consumer, dict.fromkeys(decoders, ">"), count=count, block=block_ms
+    )
+    if not reply:
+        return []
+    by_stream: dict[str, list[tuple[bytes, dict[bytes, bytes]]]] = {}
+    for raw_stream, raw_entries in _stream_items(reply):
+        stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
+        by_stream[stream] = raw_entries
+    entries: list[StreamEntry[T]] = []
+    for stream, decode in decoders.items():
+        for entry_id, fields in by_stream.get(stream, []):
+            data = (fields or {}).get(MESSAGE_FIELD.encode())
+            try:
+                if data is None:
+                    raise ValueError(f"entry has no {MESSAGE_FIELD!r} field")
+                message = decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
+                await dead_letter(redis, dead_stream, stream, str(error), data or b"")
+                await redis.xack(stream, group, entry_id)
+                _log.warning(
+                    "undecodable_entry", stream=stream, entry_id=entry_id.decode(), error=str(error)
+                )
+                continue
+            entries.append(StreamEntry(stream, entry_id, message))
+    return entries
+
+
+def _stream_items(reply: Any) -> list[tuple[Any, list[tuple[bytes, dict[bytes, bytes]]]]]:
+    """XREADGROUP's RESP2 reply (``connect`` speaks RESP2) as (stream, entries) pairs."""
+    return [(stream, entries) for stream, entries in reply]
+
+
+async def dead_letter(
+    redis: aioredis.Redis, dead_stream: str, source: str, error: str, data: bytes
+) -> None:
+    """Keep a message nobody could handle, with its source stream and the reason."""
+    pipe = redis.pipeline(transaction=False)
+    queue_dead_letter(pipe, dead_stream, source, error, data)
+    await pipe.execute()
+
+
+def queue_dead_letter(
+    pipe: Pipeline, dead_stream: str, source: str, error: str, data: bytes
+) -> None:
+    """Queue on ``pipe`` the XADD that keeps an unhandled message in the dead stream."""
+    pipe.xadd(
+        dead_stream,
+        {"source": source, "error": error, "data": data},
+        maxlen=DEAD_STREAM_MAXLEN,
+        approximate=True,
+    )
+
+
+def xadd_message(
+    pipe: Pipeline, stream: str, message: msgspec.Struct, maxlen: int | None = None
+) -> None:
+    """Queue an XADD of one wire Struct on ``pipe`` (trimmed to about ``maxlen``)."""
+    pipe.xadd(stream, {MESSAGE_FIELD: encode(message)}, maxlen=maxlen, approximate=True)
+
+
+async def send_message(
+    redis: aioredis.Redis, stream: str, message: msgspec.Struct, maxlen: int | None = None
+) -> bytes:
+    """XADD one wire Struct now; returns its entry id."""
+    entry_id = await redis.xadd(
+        stream, {MESSAGE_FIELD: encode(message)}, maxlen=maxlen, approximate=True
+    )
+    return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()

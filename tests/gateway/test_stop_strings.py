@@ -1,0 +1,101 @@
+"""The stop-string matcher: streamed output equals the whole text cut before the first stop."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.stop_strings import StopStringMatcher, truncate_at_stop
+
+
+def run_matcher(deltas: list[str], stop: list[str]) -> tuple[str, bool]:
+    """Feed ``deltas`` until a stop; flush at the end of the stream like the gateway does."""
+    matcher = StopStringMatcher(stop)
+    output = []
+    for delta in deltas:
+        result = matcher.feed(delta)
+        output.append(result.text)
+        if result.stopped:
+            return "".join(output), True
+    output.append(matcher.flush())
+    return "".join(output), False
+
+
+def split_at(text: str, cuts: list[int]) -> list[str]:
+    bounds = sorted({0, len(text), *(cut % (len(text) + 1) for cut in cuts)})
+    return [text[start:end] for start, end in itertools.pairwise(bounds)]
+
+
+def test_holds_back_a_possible_start_then_releases_it() -> None:
+    matcher = StopStringMatcher(["</s>"])
+    assert matcher.feed("hello <").text == "hello "
+    assert matcher.feed("/").text == ""
+    assert matcher.feed("b").text == "</b"
+    assert matcher.feed(" done").text == " done"
+
+
+def test_match_across_deltas_stops_before_the_stop_string() -> None:
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("abc ST").text == "abc "
+    result = matcher.feed("OP and more")
+    assert result.stopped and result.text == ""
+    assert matcher.stopped
+    with pytest.raises(RuntimeError):
+        matcher.feed("x")
+
+
+def test_flush_returns_held_text_at_the_end() -> None:
+    matcher = StopStringMatcher(["###"])
+    assert matcher.feed("a ##").text == "a "
+    assert matcher.flush() == "##"
+
+
+def test_no_stop_strings_passes_everything_through() -> None:
+    matcher = StopStringMatcher([])
+    assert matcher.feed("anything ").text == "anything "
+    assert matcher.flush() == ""
+
+
+def test_the_stop_string_that_ends_first_wins() -> None:
+    # "bc" is complete before "abcd" could be: a stream can only stop there.
+    assert run_matcher(["a", "b", "c", "d"], ["abcd", "bc"]) == ("a", True)
+    assert truncate_at_stop("xabcd", ["abcd", "bc"]) == "xa"
+    assert truncate_at_stop("nothing", ["zz"]) is None
+
+
+def test_empty_stop_string_is_refused() -> None:
+    with pytest.raises(ValueError):
+        StopStringMatcher([""])
+
+
+ALPHABET = "ab<>/ 🙂"
+
+
+@given(
+    text=st.text(alphabet=ALPHABET, max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=12),
+    stop=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3),
+)
+def test_streamed_output_is_the_text_cut_before_the_first_stop(
+    text: str, cuts: list[int], stop: list[str]
+) -> None:
+    output, stopped = run_matcher(split_at(text, cuts), stop)
+    expected = truncate_at_stop(text, stop)
+    assert stopped == (expected is not None)
+    assert output == (text if expected is None else expected)
+
+
+@given(
+    text=st.text(alphabet=ALPHABET, max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=12),
+    stop=st.text(alphabet=ALPHABET, min_size=1, max_size=4),
+)
+def test_one_stop_string_cuts_at_its_first_occurrence(
+    text: str, cuts: list[int], stop: str
+) -> None:
+    output, _ = run_matcher(split_at(text, cuts), [stop])
+    position = text.find(stop)
+    assert output == (text if position < 0 else text[:position])

@@ -1,0 +1,271 @@
+"""The scheduler actor against a real redis-server; the test plays workers and gateways."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from scheduler_actor.actor import SchedulerActor
+from scheduler_actor.cost_model import CostModel
+from scheduler_actor.sim_worker import SimulatedWorker
+from shared.keys import MESSAGE_FIELD, RedisKeys
+from shared.messages import (
+    CancelRequest,
+    RequestRejected,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    SubmitRequest,
+    WorkerJoined,
+    WorkerLeft,
+    decode_gateway_message,
+    decode_worker_message,
+)
+from shared.redis_streams import connect, send_message
+from shared.settings import RedisSettings, SchedulerSettings
+
+KEYS = RedisKeys("test")
+GATEWAY = "gw1"
+
+Scenario = Callable[[aioredis.Redis], Awaitable[None]]
+
+
+def run_scenario(url: str, scenario: Scenario, **overrides: float) -> None:
+    """Run the actor and ``scenario`` side by side; stop the actor when it ends."""
+
+    async def main() -> None:
+        redis_settings = RedisSettings(url=url, prefix=KEYS.prefix)
+        settings = dataclasses.replace(SchedulerSettings(redis=redis_settings), **overrides)
+        actor_redis, test_redis = connect(url), connect(url)
+        stop = asyncio.Event()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(SchedulerActor(settings, actor_redis).run(stop))
+                try:
+                    await asyncio.wait_for(scenario(test_redis), timeout=15)
+                finally:
+                    stop.set()
+        finally:
+            await actor_redis.aclose()
+            await test_redis.aclose()
+
+    asyncio.run(main())
+
+
+async def join(redis: aioredis.Redis, worker_id: str, num_blocks: int = 64) -> None:
+    """Be a live worker: heartbeat key, then WorkerJoined."""
+    await redis.set(KEYS.worker_heartbeat(worker_id), b"1", ex=30)
+    await send_message(redis, KEYS.control, WorkerJoined(worker_id, num_blocks, 16, 2))
+
+
+async def submit(
+    redis: aioredis.Redis, request_id: str, num_prompt_tokens: int = 5, max_tokens: int = 3
+) -> None:
+    """Be a gateway submitting a request."""
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompt_ids = list(range(1, num_prompt_tokens + 1))
+    message = SubmitRequest(request_id, GATEWAY, "tenant", prompt_ids, sampling)
+    await send_message(redis, KEYS.requests, message)
+
+
+class PlanReader:
+    """Reads one worker's plan stream from the start, without a consumer group."""
+
+    def __init__(self, redis: aioredis.Redis, worker_id: str) -> None:
+        self.redis = redis
+        self.stream = KEYS.plans(worker_id)
+        self.last_id = "0-0"
+
+    async def next(self, timeout_s: float = 5.0) -> StepPlan:
+        """The next plan; fails the test after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reply = await self.redis.xread({self.stream: self.last_id}, count=1, block=100)
+            if reply:
+                entry_id, fields = reply[0][1][0]
+                self.last_id = entry_id.decode()
+                plan = decode_worker_message(fields[MESSAGE_FIELD.encode()])
+                assert isinstance(plan, StepPlan)
+                return plan
+        raise AssertionError(f"no plan on {self.stream} within {timeout_s} s")
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    """Poll ``predicate`` until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_plans_flow_until_every_request_finishes(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        await join(redis, "w1")
+        for number in range(3):
+            await submit(redis, f"r{number}", num_prompt_tokens=5 + number, max_tokens=4)
+        worker = SimulatedWorker("w1", 64, 16, CostModel())
+        plans = PlanReader(redis, "w1")
+        generated: dict[str, list[int]] = {}
+        admitted = set()
+        while sum(len(indices) for indices in generated.values()) < 12:
+            plan = await plans.next()
+            assert plan.epoch == int(await redis.get(KEYS.epoch))
+            admitted |= {spec.request_id for spec in plan.new_requests}
+            assert all(spec.gateway_id == GATEWAY for spec in plan.new_requests)
+            output, _ = worker.execute(plan)
+            for token in output.tokens:
+                generated.setdefault(token.request_id, []).append(token.index)
+            await send_message(redis, KEYS.results, output)
+        assert admitted == {"r0", "r1", "r2"}
+        assert generated == {f"r{n}": [0, 1, 2, 3] for n in range(3)}
+
+    run_scenario(redis_server.url, scenario)
+
+
+def test_two_plans_are_in_flight_before_any_result(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        await join(redis, "w1")
+        await submit(redis, "r0", max_tokens=8)
+        plans = PlanReader(redis, "w1")
+        first, second = await plans.next(), await plans.next()
+        assert [spec.request_id for spec in first.new_requests] == ["r0"]
+        assert second.decode_request_ids == ["r0"] and second.step_index > first.step_index
+
+    run_scenario(redis_server.url, scenario)
+
+
+def test_cancel_releases_the_request_in_the_next_plan(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        await join(redis, "w1")
+        await submit(redis, "r0", max_tokens=50)
+        worker = SimulatedWorker("w1", 64, 16, CostModel())
+        plans = PlanReader(redis, "w1")
+        for _ in range(2):
+            await send_message(redis, KEYS.results, worker.execute(await plans.next())[0])
+        await send_message(redis, KEYS.control, CancelRequest("r0"))
+        # Releases ride on the next plan with work in it.
+        await submit(redis, "r1")
+        for _ in range(4):
+            plan = await plans.next()
+            if "r0" in plan.released_request_ids:
+                return
+            await send_message(redis, KEYS.results, worker.execute(plan)[0])
+        raise AssertionError("r0 was never released")
+
+    run_scenario(redis_server.url, scenario)
+
+
+async def rejections(pubsub: aioredis.client.PubSub, count: int) -> list[RequestRejected]:
+    """The next ``count`` RequestRejected on the gateway channel."""
+    found: list[RequestRejected] = []
+    deadline = time.monotonic() + 5
+    while len(found) < count and time.monotonic() < deadline:
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+        if message is not None:
+            decoded = decode_gateway_message(message["data"])
+            assert isinstance(decoded, RequestRejected)
+            found.append(decoded)
+    return found
+
+
+def test_bad_requests_are_rejected_on_the_gateway_channel(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        pubsub = redis.pubsub()
+        await pubsub.subscribe(KEYS.tokens(GATEWAY))
+        await join(redis, "w1", num_blocks=4)  # 64 K/V slots
+        await wait_for(lambda: redis.exists(KEYS.ready))
+        await submit(redis, "too_long", num_prompt_tokens=60, max_tokens=10)
+        await submit(redis, "empty_budget", max_tokens=0)
+        await submit(redis, "ok")
+        await submit(redis, "ok")  # a duplicate of a live request
+        found = await rejections(pubsub, 3)
+        assert [(r.request_id, r.code) for r in found] == [
+            ("too_long", "prompt_too_long"),
+            ("empty_budget", "invalid_request"),
+            ("ok", "invalid_request"),
+        ]
+        await pubsub.aclose()
+
+    run_scenario(redis_server.url, scenario)
+
+
+def test_a_full_queue_rejects_with_queue_full(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        pubsub = redis.pubsub()
+        await pubsub.subscribe(KEYS.tokens(GATEWAY))
+        for number in range(3):  # no worker: everybody waits
+            await submit(redis, f"r{number}")
+        found = await rejections(pubsub, 1)
+        assert [(r.request_id, r.code) for r in found] == [("r2", "queue_full")]
+        await pubsub.aclose()
+
+    run_scenario(redis_server.url, scenario, max_waiting=2)
+
+
+def test_ready_key_follows_worker_membership(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        assert not await redis.exists(KEYS.ready)
+        await join(redis, "w1")
+        await wait_for(lambda: redis.exists(KEYS.ready))
+        assert 0 < await redis.ttl(KEYS.ready) <= 3
+        await send_message(redis, KEYS.control, WorkerLeft("w1"))
+        await wait_for(lambda: _missing(redis, KEYS.ready))
+
+    run_scenario(redis_server.url, scenario)
+
+
+async def _missing(redis: aioredis.Redis, key: str) -> bool:
+    return not await redis.exists(key)
+
+
+def test_a_silent_worker_is_lost_and_its_requests_move(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        await join(redis, "w1")
+        await submit(redis, "r0", max_tokens=20)
+        first = await PlanReader(redis, "w1").next()
+        assert [spec.request_id for spec in first.new_requests] == ["r0"]
+        await join(redis, "w2")
+        await redis.delete(KEYS.worker_heartbeat("w1"))  # w1 dies silently
+        moved = await PlanReader(redis, "w2").next(timeout_s=5)
+        assert [spec.request_id for spec in moved.new_requests] == ["r0"]
+
+    run_scenario(redis_server.url, scenario, worker_timeout_s=0.5)
+
+
+def test_undecodable_entries_go_to_dead_and_the_actor_goes_on(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        await redis.xadd(KEYS.requests, {MESSAGE_FIELD: b"\xc1 not msgpack"})
+        await redis.xadd(KEYS.requests, {"wrong_field": b"x"})
+        await redis.xadd(KEYS.results, {MESSAGE_FIELD: b"\x93\x01\x02\x03"})
+        await wait_for(lambda: _length_at_least(redis, KEYS.dead, 3))
+        dead = await redis.xrange(KEYS.dead)
+        sources = sorted(fields[b"source"].decode() for _, fields in dead)
+        assert sources == [KEYS.requests, KEYS.requests, KEYS.results]
+        assert all(fields[b"error"] for _, fields in dead)
+        await join(redis, "w1")
+        await submit(redis, "r0")
+        plan = await PlanReader(redis, "w1").next()
+        assert [spec.request_id for spec in plan.new_requests] == ["r0"]
+        pending = await redis.xpending(KEYS.requests, "scheduler")
+        assert pending["pending"] == 0
+
+    run_scenario(redis_server.url, scenario)
+
+
+async def _length_at_least(redis: aioredis.Redis, stream: str, length: int) -> bool:
+    return bool(await redis.exists(stream)) and await redis.xlen(stream) >= length
+
+
+def test_results_of_unknown_plans_are_ignored(redis_server):
+    async def scenario(redis: aioredis.Redis) -> None:
+        await send_message(redis, KEYS.results, StepOutput("ghost", 1, 99))
+        await join(redis, "w1")
+        await submit(redis, "r0")
+        plan = await PlanReader(redis, "w1").next()
+        assert [spec.request_id for spec in plan.new_requests] == ["r0"]
+
+    run_scenario(redis_server.url, scenario)
