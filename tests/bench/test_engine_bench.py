@@ -1,0 +1,31 @@
+"""Smoke test of ``bench/engine.py`` on a tiny random model (no files needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
+
+
+def test_quick_run_writes_results_and_a_positive_cost_model(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "engine.json"
+
+    bench.main(["--quick", "--config", "tiny", "--dtype", "float32", "--out", str(out)])
+
+    result = json.loads(out.read_text())
+    assert {"machine", "results", "overhead", "targets", "cost_model"} <= result.keys()
+    model = result["cost_model"]
+    assert model["a_s"] > 0
+    assert model["b_s_per_token"] >= 0 and model["c_s_per_attended_token"] >= 0
+    impls = {(r["measurement"], r["impl"]) for r in result["results"]}
+    assert {("decode", "cpu"), ("decode", "reference"), ("decode", "transformers")} <= impls
+    assert ("mixed", "transformers (padded)") in impls
+    assert all(r["step_ms"] > 0 for r in result["results"])
+    assert result["overhead"]["us_per_layer"] > 0
+    assert {t["result"] for t in result["targets"]} <= {"PASS", "MISS"}
