@@ -55,7 +55,9 @@ def start_embedded_redis(timeout_s: float = 10.0) -> EmbeddedRedis:
     # The password goes in a file, not on the command line, where ps would show it.
     config.write_text(
         f"port {port}\nbind 127.0.0.1\nrequirepass {password}\ndir {data_dir}\n"
-        'appendonly yes\nsave ""\nprotected-mode yes\n',
+        'appendonly yes\nsave ""\nprotected-mode yes\nloglevel warning\n'
+        # Its own log file: its banner and notices would drown the service's output.
+        f"logfile {data_dir / 'redis.log'}\n",
         encoding="utf-8",
     )
     config.chmod(0o600)

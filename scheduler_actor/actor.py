@@ -169,7 +169,8 @@ class SchedulerActor:
                 pipe.xack(stream, SCHEDULER_GROUP, *entry_ids)
         if len(pipe):
             await pipe.execute()
-        if now >= self._next_summary_s:
+        if now >= self._next_summary_s and (entries or self.core.requests):
+            # An idle service logs nothing: a summary only when there was work.
             self._next_summary_s = now + SUMMARY_EVERY_S
             _log.info(
                 "scheduler_summary",
