@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -13,12 +11,14 @@ import structlog
 from gateway.server import GatewayServer
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
-from shared.log import configure_logging, run_event_loop
+from shared.log import configure_logging, run_event_loop, stop_on_signals
 from shared.settings import (
     GatewaySettings,
+    add_redis_arguments,
     default_instance_id,
     model_location,
     redis_settings,
+    redis_settings_from_args,
 )
 
 DEFAULTS = GatewaySettings(redis=redis_settings(), model=model_location(), gateway_id="")
@@ -32,8 +32,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
     parser.add_argument("--host", default=DEFAULTS.host)
     parser.add_argument("--port", type=int, default=DEFAULTS.port, help="0 picks a free port")
     parser.add_argument("--gateway-id", help="unique per Redis (default: gateway-HOST-PID)")
-    parser.add_argument("--redis-url", help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
-    parser.add_argument("--prefix", help="Redis key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+    add_redis_arguments(parser)
     parser.add_argument("--model", help="Hugging Face-format model directory (default: embedded)")
     parser.add_argument("--max-frame-bytes", type=int, default=DEFAULTS.max_frame_bytes)
     parser.add_argument(
@@ -42,7 +41,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
     parser.add_argument("--max-tokens-limit", type=int, default=DEFAULTS.max_tokens_limit)
     args = parser.parse_args(argv)
     return GatewaySettings(
-        redis=redis_settings(url=args.redis_url, prefix=args.prefix),
+        redis=redis_settings_from_args(args),
         model=model_location(model_dir=args.model),
         gateway_id=args.gateway_id or default_instance_id("gateway"),
         host=args.host,
@@ -59,10 +58,7 @@ async def serve_until_signalled(settings: GatewaySettings) -> None:
     limits = ModelLimits.from_model_dir(
         settings.model.model_dir, tokenizer.vocab_size, settings.max_tokens_limit
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signal_number in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signal_number, stop.set)
+    stop = stop_on_signals()
     await GatewayServer(settings, tokenizer, limits).run(stop)
 
 

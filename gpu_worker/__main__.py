@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
-import signal
 import sys
 from collections.abc import Sequence
 
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
-from shared.log import configure_logging, run_event_loop
+from shared.log import configure_logging, run_event_loop, stop_on_signals
 from shared.redis_streams import connect
-from shared.settings import WorkerSettings, default_instance_id, model_location, redis_settings
+from shared.settings import (
+    WorkerSettings,
+    add_redis_arguments,
+    default_instance_id,
+    model_location,
+    redis_settings_from_args,
+)
 
 # One source of defaults: the settings dataclass.
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(WorkerSettings)}
@@ -23,8 +27,7 @@ DEFAULTS = {field.name: field.default for field in dataclasses.fields(WorkerSett
 def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
     """Settings from flags, falling back to the environment (shared.settings)."""
     parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__)
-    parser.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
-    parser.add_argument("--prefix", help="key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+    add_redis_arguments(parser)
     parser.add_argument("--worker-id", help="default: worker-<host>-<pid>")
     parser.add_argument("--model", help="HF-format model dir (default: $ORCAPOD_MODEL or SmolLM2)")
     parser.add_argument("--cache-dir", help="prepared models (default: $ORCAPOD_CACHE_DIR)")
@@ -38,7 +41,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
     parser.add_argument("--heartbeat-s", type=float, default=DEFAULTS["heartbeat_s"])
     args = parser.parse_args(argv)
     return WorkerSettings(
-        redis=redis_settings(url=args.redis_url, prefix=args.prefix),
+        redis=redis_settings_from_args(args),
         model=model_location(model_dir=args.model, cache_dir=args.cache_dir),
         worker_id=args.worker_id or default_instance_id("worker"),
         device=args.device,
@@ -65,10 +68,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
 async def serve(settings: WorkerSettings, engine: Engine) -> None:
     """Run the actor until a signal asks it to stop."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop = stop_on_signals()
     redis = connect(settings.redis.url)
     try:
         await WorkerActor(settings, redis, engine).run(stop)

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 from collections.abc import Sequence
 
 from scheduler_actor.actor import SchedulerActor
-from shared.log import configure_logging, run_event_loop
+from shared.log import configure_logging, run_event_loop, stop_on_signals
 from shared.redis_streams import connect
-from shared.settings import POLICIES, SchedulerSettings, redis_settings
+from shared.settings import (
+    POLICIES,
+    SchedulerSettings,
+    add_redis_arguments,
+    redis_settings,
+    redis_settings_from_args,
+)
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
     """Settings from flags, falling back to the environment (shared.settings)."""
     defaults = SchedulerSettings(redis=redis_settings())
     parser = argparse.ArgumentParser(prog="python -m scheduler_actor", description=__doc__)
-    parser.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
-    parser.add_argument("--prefix", help="key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+    add_redis_arguments(parser)
     parser.add_argument("--policy", choices=POLICIES, default=defaults.policy)
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     parser.add_argument("--token-budget", type=int, default=defaults.token_budget)
@@ -28,7 +31,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting)
     args = parser.parse_args(argv)
     return SchedulerSettings(
-        redis=redis_settings(url=args.redis_url, prefix=args.prefix),
+        redis=redis_settings_from_args(args),
         policy=args.policy,
         max_batch_size=args.max_batch_size,
         token_budget=args.token_budget,
@@ -40,10 +43,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
 
 async def serve(settings: SchedulerSettings) -> None:
     """Run the actor until a signal asks it to stop."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop = stop_on_signals()
     redis = connect(settings.redis.url)
     try:
         await SchedulerActor(settings, redis).run(stop)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import heapq
 
+from scheduler_actor.config import SchedulerConfig
+from scheduler_actor.policy import IsPreferred
 from scheduler_actor.request import Request, RequestStatus
 
 
@@ -39,3 +41,28 @@ class FcfsQueue:
         """Forget a waiting request that is being cancelled (its entry goes
         when it reaches the top)."""
         self.num_waiting -= 1
+
+
+class ArrivalOrderPolicyBase:
+    """The waiting-room half of the ``request`` and ``orca`` policies: one
+    FCFS queue. Subclasses add ``fill`` (who runs each step)."""
+
+    holds_results_until_batch_end = False
+
+    def __init__(self, config: SchedulerConfig, is_preferred: IsPreferred) -> None:
+        self._config = config
+        self._is_preferred = is_preferred
+        self._queue = FcfsQueue()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted."""
+        return self._queue.num_waiting
+
+    def enqueue(self, request: Request) -> None:
+        """Add a waiting request."""
+        self._queue.push(request)
+
+    def discard(self, request: Request) -> None:
+        """Forget a cancelled waiting request."""
+        self._queue.discard(request)

@@ -14,35 +14,13 @@ placed ones too could deadlock.
 
 from __future__ import annotations
 
-from scheduler_actor.config import SchedulerConfig
-from scheduler_actor.fcfs_queue import FcfsQueue
+from scheduler_actor.fcfs_queue import ArrivalOrderPolicyBase
 from scheduler_actor.plan_builder import PlanBuilder
-from scheduler_actor.policy import IsPreferred
 from scheduler_actor.request import Request
 
 
-class OrcaPolicy:
+class OrcaPolicy(ArrivalOrderPolicyBase):
     """Iteration-level FCFS with up-front reservation."""
-
-    holds_results_until_batch_end = False
-
-    def __init__(self, config: SchedulerConfig, is_preferred: IsPreferred) -> None:
-        self._config = config
-        self._is_preferred = is_preferred
-        self._queue = FcfsQueue()
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests not yet admitted."""
-        return self._queue.num_waiting
-
-    def enqueue(self, request: Request) -> None:
-        """Add a waiting request."""
-        self._queue.push(request)
-
-    def discard(self, request: Request) -> None:
-        """Forget a cancelled waiting request."""
-        self._queue.discard(request)
 
     def fill(self, builder: PlanBuilder) -> None:
         """Select(pool, n_rsrv) for one worker."""

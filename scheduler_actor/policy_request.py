@@ -7,35 +7,14 @@ keeps its K/V) until the longest finishes, and results are released then.
 
 from __future__ import annotations
 
-from scheduler_actor.config import SchedulerConfig
-from scheduler_actor.fcfs_queue import FcfsQueue
+from scheduler_actor.fcfs_queue import ArrivalOrderPolicyBase
 from scheduler_actor.plan_builder import PlanBuilder
-from scheduler_actor.policy import IsPreferred
-from scheduler_actor.request import Request
 
 
-class RequestLevelPolicy:
+class RequestLevelPolicy(ArrivalOrderPolicyBase):
     """Static batches in arrival order."""
 
     holds_results_until_batch_end = True
-
-    def __init__(self, config: SchedulerConfig, is_preferred: IsPreferred) -> None:
-        self._config = config
-        self._is_preferred = is_preferred
-        self._queue = FcfsQueue()
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting for a batch."""
-        return self._queue.num_waiting
-
-    def enqueue(self, request: Request) -> None:
-        """Add a waiting request."""
-        self._queue.push(request)
-
-    def discard(self, request: Request) -> None:
-        """Forget a cancelled waiting request."""
-        self._queue.discard(request)
 
     def fill(self, builder: PlanBuilder) -> None:
         """Form a batch on an idle worker, else step the current batch."""

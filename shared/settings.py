@@ -10,6 +10,7 @@ Environment variables (each overridable by a command-line flag):
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -134,3 +135,14 @@ def redis_url_from_environment(environ: Mapping[str, str] | None = None) -> str 
 def default_instance_id(role: str) -> str:
     """A name for an actor instance: role, host and pid (unique on one Redis)."""
     return f"{role}-{os.uname().nodename}-{os.getpid()}"
+
+
+def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--redis-url`` and ``--prefix`` flags every actor takes."""
+    parser.add_argument("--redis-url", help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefix", help="Redis key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+
+
+def redis_settings_from_args(args: argparse.Namespace) -> RedisSettings:
+    """RedisSettings from the flags of ``add_redis_arguments``, then the environment."""
+    return redis_settings(url=args.redis_url, prefix=args.prefix)
