@@ -1,0 +1,130 @@
+"""Loading: clear errors for what is not a model, K/V sizing, device and dtype choice."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.device import choose_device, choose_dtype, cpu_has_native_bf16
+from gpu_worker.engine import Engine, load_model
+from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block, num_blocks_for_budget
+from gpu_worker.model_config import ModelLoadError, load_model_config
+from shared.messages import SamplingParams
+from tests.gpu_worker.plans import Job, run_jobs
+from tests.gpu_worker.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def _copy(tiny_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(tiny_dir, target)
+    return target
+
+
+def test_a_missing_directory_says_how_to_get_a_model(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"does not exist.*orcapod model prepare"):
+        load_model_config(tmp_path / "nowhere")
+
+
+def test_missing_files_are_named(tiny_dir, tmp_path):
+    model_dir = _copy(tiny_dir, tmp_path)
+    (model_dir / "tokenizer.json").unlink()
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"missing tokenizer\.json, \*\.safetensors"):
+        load_model_config(model_dir)
+
+
+def test_a_model_that_is_not_llama_family_is_refused(tiny_dir, tmp_path):
+    model_dir = _copy(tiny_dir, tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="not a Llama-family decoder"):
+        load_model_config(model_dir)
+
+
+def test_unsupported_rope_scaling_is_named(tiny_dir, tmp_path):
+    model_dir = _copy(tiny_dir, tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
+        load_model_config(model_dir)
+
+
+def test_a_missing_weight_is_named(tiny_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = _copy(tiny_dir, tmp_path)
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_model(model_dir, device="cpu", dtype="float32")
+
+
+def test_stop_tokens_come_from_config_and_the_vocabulary(tiny_dir):
+    assert 2 in load_model_config(tiny_dir).eos_token_ids
+
+
+def test_kv_pool_is_sized_from_bytes_or_a_fraction(tiny_dir):
+    config = load_model_config(tiny_dir)
+    per_block = bytes_per_block(config, 16, torch.float32)
+    # K and V, 2 layers, 16 tokens, 2 kv heads of 16 dims, 4 bytes.
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 4
+    cpu = torch.device("cpu")
+    assert (
+        num_blocks_for_budget(
+            config, KVCacheBudget(num_bytes=10 * per_block + 5), cpu, torch.float32
+        )
+        == 10
+    )
+    assert num_blocks_for_budget(config, KVCacheBudget(fraction=0.001), cpu, torch.float32) > 10
+    with pytest.raises(ValueError, match="not even one block"):
+        num_blocks_for_budget(config, KVCacheBudget(num_bytes=per_block - 1), cpu, torch.float32)
+
+
+def test_device_and_dtype_are_automatic_and_overridable(tmp_path):
+    assert choose_device("cpu").type == "cpu"
+    if not torch.cuda.is_available():
+        assert choose_device().type == "cpu"
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            choose_device("cuda")
+    assert choose_dtype(torch.device("cpu"), "bfloat16") is torch.bfloat16
+    assert choose_dtype(torch.device("cuda"), None) is torch.bfloat16
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert choose_dtype(torch.device("cpu"), None) is expected
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
+    assert cpu_has_native_bf16(flags)
+    flags.write_text("flags\t\t: fpu avx2\n")
+    assert not cpu_has_native_bf16(flags)
+    with pytest.raises(ValueError, match="float64"):
+        choose_dtype(torch.device("cpu"), "float64")
+
+
+def test_bf16_on_the_cpu_runs_and_backends_agree(tiny_dir):
+    model = load_model(tiny_dir, device="cpu", dtype="bfloat16")
+    assert model.weights.embed_tokens.dtype is torch.bfloat16
+    outputs = []
+    for backend in ("reference", "cpu"):
+        jobs = [
+            Job(
+                f"r{i}",
+                list(range(3, 3 + 7 * (i + 1))),
+                SamplingParams(max_tokens=5, ignore_eos=True),
+                join_step=i,
+            )
+            for i in range(3)
+        ]
+        run_jobs(Engine(model, KVCacheBudget(num_bytes=1 << 20, block_size=4), backend), jobs)
+        outputs.append([job.generated_ids for job in jobs])
+    assert outputs[0] == outputs[1]
