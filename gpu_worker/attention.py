@@ -5,11 +5,13 @@ requests; attention needs request boundaries (Orca's split/merge). A backend
 gets the step's layout once (``prepare``), then is called per layer with that
 layer's queries and K/V pool. All backends give the same result as
 ``reference`` (the literal split/merge with torch SDPA); ``cpu`` does all
-requests in a few vectorised ops. A Triton backend for CUDA plugs in here.
+requests in a few vectorised ops; ``triton`` (CUDA) does all of them in one
+paged kernel launch per layer and writes the new K/V with a kernel too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,11 +91,49 @@ class AttentionBackend(Protocol):
         ...
 
 
+# keys, values (one layer's pool), slot_mapping [T], key, value [T, kv_heads, head_dim]
+KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _index_copy_kv(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    keys.index_copy_(0, slot_mapping, key)
+    values.index_copy_(0, slot_mapping, value)
+
+
+def kv_writer(backend: AttentionBackend) -> KVWriter:
+    """How this step's K/V reach the pool: the backend's ``write_kv`` if it has one
+    (a fused kernel), else ``index_copy_``. Looked up once per forward, not per layer."""
+    writer: KVWriter | None = getattr(backend, "write_kv", None)
+    return writer if writer is not None else _index_copy_kv
+
+
+# Backends that run on every device, the CPU included (what CPU benchmarks sweep).
 BACKEND_NAMES = ("reference", "cpu")
+# Backends that need a CUDA GPU (on the CPU only under TRITON_INTERPRET=1, for tests).
+CUDA_BACKEND_NAMES = ("triton",)
+
+
+class BackendUnavailableError(RuntimeError):
+    """The named attention backend cannot run here (its package is not installed)."""
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package imports (Linux wheels; needed for the CUDA backend)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def make_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
-    """The backend called ``name`` (one of BACKEND_NAMES) computing in ``dtype``."""
+    """The backend called ``name`` (BACKEND_NAMES or CUDA_BACKEND_NAMES) computing in ``dtype``."""
     from gpu_worker.attention_cpu import CpuAttention
     from gpu_worker.attention_reference import ReferenceAttention
 
@@ -101,9 +141,21 @@ def make_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
         return ReferenceAttention()
     if name == "cpu":
         return CpuAttention(dtype)
-    raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if name == "triton":
+        if not triton_available():
+            raise BackendUnavailableError(
+                "attention backend 'triton' needs the triton package (pip install triton; "
+                "Linux only); use 'cpu' or 'reference' instead"
+            )
+        from gpu_worker.attention_triton import TritonAttention
+
+        return TritonAttention(dtype)
+    known = ", ".join(BACKEND_NAMES + CUDA_BACKEND_NAMES)
+    raise ValueError(f"attention backend {name!r} is not one of {known}")
 
 
 def default_backend_name(device: torch.device) -> str:
-    """The fastest backend available on ``device``."""
+    """The fastest backend available on ``device``: ``triton`` on CUDA when it imports."""
+    if device.type == "cuda" and triton_available():
+        return "triton"
     return "cpu"

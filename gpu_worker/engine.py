@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from gpu_worker.model_config import load_model_config
 from gpu_worker.sampler import sample
 from gpu_worker.weights import load_weights
 from shared.messages import FinishReason, RequestSpec, SampledToken, StepOutput, StepPlan
+
+if TYPE_CHECKING:  # imported lazily at run time: it needs triton, the CPU path must not
+    from gpu_worker.cuda_graphs import DecodeGraphRunner
 
 # A decode may be planned for a request whose finishing token is still on
 # its way to the scheduler (overlap); remember that many finished ids to skip it.
@@ -92,7 +96,10 @@ class Engine:
         kv_budget: KVCacheBudget | None = None,
         attention_backend: str | None = None,
         worker_id: str = "local",
+        use_cuda_graphs: bool = False,
     ) -> None:
+        """``use_cuda_graphs`` replays captured graphs for decode-only steps; it takes
+        effect on CUDA only (needs the ``triton`` backend) and is ignored on the CPU."""
         budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
@@ -103,9 +110,19 @@ class Engine:
         self.backend: AttentionBackend = make_backend(
             attention_backend or default_backend_name(model.device), model.dtype
         )
+        self._decode_graphs: DecodeGraphRunner | None = None
+        if use_cuda_graphs and model.device.type == "cuda":
+            from gpu_worker.cuda_graphs import DecodeGraphRunner
+
+            self._decode_graphs = DecodeGraphRunner(model, self.kv_cache, self.backend)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._recently_finished: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode-only steps replay CUDA graphs."""
+        return self._decode_graphs is not None
 
     @property
     def num_blocks(self) -> int:
@@ -266,15 +283,24 @@ class Engine:
             if work.samples:
                 logits_rows.append(len(token_ids) - 1)
         device = self.model.device
-        logits = self.model.forward(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            kv_cache=cache,
-            backend=self.backend,
-            attention_plan=self.backend.prepare(layout, cache.block_size, device),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
-        )
+        graphs = self._decode_graphs
+        # A graph computes logits for every row, so every row must be one sampling token.
+        if (
+            graphs is not None
+            and all(work.samples and len(work.token_ids) == 1 for work in works)
+            and graphs.fits(layout)
+        ):
+            logits = graphs.run(token_ids, positions, slots, layout)
+        else:
+            logits = self.model.forward(
+                token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+                positions=torch.tensor(positions, dtype=torch.int64, device=device),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                kv_cache=cache,
+                backend=self.backend,
+                attention_plan=self.backend.prepare(layout, cache.block_size, device),
+                logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            )
         for work in works:
             work.request.num_cached_tokens += len(work.token_ids)
         sampling_works = [work for work in works if work.samples]

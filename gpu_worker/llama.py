@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionBackend
+from gpu_worker.attention import AttentionBackend, kv_writer
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.rotary import RotaryEmbedding, apply_rotary
@@ -57,6 +57,7 @@ class LlamaModel:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         cos, sin = self.rotary.tables(positions)  # [T, 1, head_dim]
         hidden = self.weights.embed_tokens[token_ids]  # [T, hidden]
+        write_kv = kv_writer(backend)
         for index, layer in enumerate(self.weights.layers):
             x = rms_norm(hidden, layer.input_norm, config.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
@@ -64,8 +65,8 @@ class LlamaModel:
             query = apply_rotary(query.view(-1, num_heads, head_dim), cos, sin)
             key = apply_rotary(key.view(-1, num_kv_heads, head_dim), cos, sin)
             layer_keys, layer_values = kv_cache.keys[index], kv_cache.values[index]
-            layer_keys.index_copy_(0, slot_mapping, key)
-            layer_values.index_copy_(0, slot_mapping, value.view(-1, num_kv_heads, head_dim))
+            value = value.view(-1, num_kv_heads, head_dim)
+            write_kv(layer_keys, layer_values, slot_mapping, key, value)
             attended = backend.attend(query, layer_keys, layer_values, attention_plan)
             hidden = hidden + F.linear(attended.reshape(-1, q_size), layer.o_proj)
             x = rms_norm(hidden, layer.post_attention_norm, config.rms_norm_eps)

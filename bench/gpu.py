@@ -1,0 +1,387 @@
+"""GPU engine numbers: the device's ceilings, then decode step time against them.
+
+    python bench/gpu.py [--out bench/results/gpu.json] [--table-out FILE] [--quick]
+
+Run by ``bench/gpu.sh`` (which adds ``orcapod bench`` end to end). Measures:
+
+1. ceilings: device-to-device copy bandwidth (bytes read + written per second)
+   and the bf16 matmul rate (8192^3);
+2. a correctness check of the ``triton`` backend against ``reference`` on this
+   GPU (fp32 and bf16, mixed prompt chunks and decodes);
+3. decode step time for batch 1..256 and context 256..4096, for a 1B-class
+   Llama config (Llama 3.2 1B's shape) and SmolLM2-135M's shape, both with
+   random bf16 weights: eager (prepare + forward, the ``triton`` backend) and
+   CUDA-graph replay (``DecodeGraphRunner.run``: padding, input copies,
+   replay). Each request attends exactly ``context`` keys through a shuffled
+   block table. The bandwidth floor of a step is (weights + K/V read once) /
+   copy bandwidth; achieved bandwidth is those bytes / step time;
+4. the CPU cost of launching a graph step (host time of ``run`` on an idle GPU).
+
+Timings are medians of ``--steps`` after warm-up, each step synchronised.
+Sampling and plan checks are not included (they are the same on every device).
+Prints the table last and the targets (PASS/MISS). Exits 0 with a message on
+a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import date
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from gpu_worker.attention import AttentionBackend, SequenceLayout, make_backend
+from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.llama import LlamaModel
+from gpu_worker.model_config import ModelConfig, RopeScaling
+from gpu_worker.weights import ModelWeights, random_weights
+
+BLOCK_SIZE = 16
+TARGET_BATCH, TARGET_CONTEXT, TARGET_FLOOR_RATIO = 64, 1024, 1.5
+TARGET_LAUNCH_US = 50.0
+Row = dict[str, Any]
+
+
+def llama_config(name: str) -> ModelConfig:
+    """Llama 3.2 1B's shape ('llama-1b') or SmolLM2-135M's ('smollm2-135m')."""
+    shapes: dict[str, dict[str, Any]] = {
+        "llama-1b": dict(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+            num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+        ),
+        "smollm2-135m": dict(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+            num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+        ),
+    }  # fmt: skip
+    return ModelConfig(
+        **shapes[name],
+        rms_norm_eps=1e-5,
+        rope_scaling=RopeScaling(),
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        eos_token_ids=(2,),
+    )
+
+
+def gpu_median_s(run: Callable[[], object], steps: int, warmup: int = 2) -> float:
+    """Median wall seconds of ``run`` with the GPU synchronised around each call."""
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def ceilings(quick: bool) -> dict[str, float]:
+    """Copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s)."""
+    num_bytes = (256 if quick else 1024) << 20
+    source = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    copy_s = gpu_median_s(lambda: target.copy_(source), 10)
+    size = 4096 if quick else 8192
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    matmul_s = gpu_median_s(lambda: a @ b, 10)
+    return {
+        "copy_bandwidth_gb_s": 2 * num_bytes / copy_s / 1e9,
+        "bf16_matmul_tflop_s": 2 * size**3 / matmul_s / 1e12,
+    }
+
+
+def check_triton(device: torch.device) -> list[Row]:
+    """Max relative error of the triton backend against reference on this GPU."""
+    rng = random.Random(0)
+    shapes = [(37, 0), (5, 40), (1, 15), (1, 16), (1, 17), (1, 300), (64, 129), (1, 0)]
+    free_blocks = list(range(256))
+    rng.shuffle(free_blocks)
+    layout, start = [], 0
+    for num_query, num_cached in shapes:
+        table = [free_blocks.pop() for _ in range(-(-(num_query + num_cached) // BLOCK_SIZE))]
+        layout.append(SequenceLayout(start, num_query, num_cached, table))
+        start += num_query
+    results = []
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        generator = torch.Generator(device=device).manual_seed(0)
+        normal = partial(random_tensor, generator=generator, dtype=dtype)
+
+        queries = normal((start, 32, 64))
+        keys, values = normal((256 * BLOCK_SIZE, 8, 64)), normal((256 * BLOCK_SIZE, 8, 64))
+        reference = make_backend("reference", torch.float32)
+        expected = reference.attend(
+            queries.float(), keys.float(), values.float(),
+            reference.prepare(layout, BLOCK_SIZE, device),
+        )  # fmt: skip
+        triton_backend = make_backend("triton", dtype)
+        got = triton_backend.attend(
+            queries, keys, values, triton_backend.prepare(layout, BLOCK_SIZE, device)
+        )
+        error = float((got.float() - expected).abs().max() / expected.abs().max())
+        results.append(
+            {"dtype": str(dtype).removeprefix("torch."), "max_relative_error": error,
+             "tolerance": tolerance, "ok": error < tolerance and not got.isnan().any().item()}
+        )  # fmt: skip
+    return results
+
+
+def random_tensor(
+    shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype
+) -> torch.Tensor:
+    """Standard normal values on the generator's device, rounded to ``dtype``."""
+    return torch.randn(shape, generator=generator, device=generator.device).to(dtype)
+
+
+def weight_bytes_read(weights: ModelWeights) -> int:
+    """Bytes a decode step reads from the weights: every layer, the final norm and
+    the LM head (the embedding only gathers a few rows unless it is the LM head)."""
+    tensors = [weights.final_norm, weights.lm_head]
+    for layer in weights.layers:
+        tensors += [layer.input_norm, layer.qkv_proj, layer.o_proj, layer.post_attention_norm]
+        tensors += [layer.gate_up_proj, layer.down_proj]
+        if layer.qkv_bias is not None:
+            tensors.append(layer.qkv_bias)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def decode_layout(
+    batch: int, context: int, rng: random.Random, num_blocks: int
+) -> tuple[list[SequenceLayout], list[int], list[int]]:
+    """``batch`` decodes at position ``context - 1`` on shuffled blocks.
+
+    Returns the layout, each token's position and each token's K/V slot.
+    """
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    blocks_per_request = -(-context // BLOCK_SIZE)
+    layout, slots = [], []
+    for row in range(batch):
+        table = blocks[row * blocks_per_request : (row + 1) * blocks_per_request]
+        layout.append(SequenceLayout(row, 1, context - 1, table))
+        last = context - 1
+        slots.append(table[last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE)
+    return layout, [context - 1] * batch, slots
+
+
+def eager_step(
+    model: LlamaModel,
+    cache: PagedKVCache,
+    backend: AttentionBackend,
+    layout: list[SequenceLayout],
+    token_ids: list[int],
+    positions: list[int],
+    slots: list[int],
+) -> torch.Tensor:
+    """One decode step without graphs: host lists to device, prepare, forward."""
+    device = model.device
+    return model.forward(
+        token_ids=torch.tensor(token_ids, device=device),
+        positions=torch.tensor(positions, device=device),
+        slot_mapping=torch.tensor(slots, device=device),
+        kv_cache=cache,
+        backend=backend,
+        attention_plan=backend.prepare(layout, cache.block_size, device),
+        logits_rows=torch.arange(len(layout), device=device),
+    )
+
+
+def measure_config(
+    name: str, batches: list[int], contexts: list[int], steps: int, bandwidth_gb_s: float
+) -> tuple[list[Row], list[float]]:
+    """Decode rows (eager and graph) for one config, and the graph launch times (µs)."""
+    from gpu_worker.cuda_graphs import DecodeGraphRunner
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    config = llama_config(name)
+    weights = random_weights(config, device, dtype)
+    model = LlamaModel(config, weights, device, dtype)
+    num_blocks = max(batches) * -(-max(contexts) // BLOCK_SIZE)
+    cache = PagedKVCache(config, num_blocks, BLOCK_SIZE, device, dtype)
+    cache.keys.normal_()
+    cache.values.normal_()
+    backend = make_backend("triton", dtype)
+    started = time.perf_counter()
+    runner = DecodeGraphRunner(model, cache, backend)
+    capture_s = time.perf_counter() - started
+    print(f"{name}: captured {len(runner.buckets)} decode graphs in {capture_s:.1f} s", flush=True)
+    weights_bytes = weight_bytes_read(weights)
+    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    rng = random.Random(0)
+    rows, launch_us = [], []
+    for context in contexts:
+        for batch in batches:
+            layout, positions, slots = decode_layout(batch, context, rng, num_blocks)
+            token_ids = [rng.randrange(config.vocab_size) for _ in range(batch)]
+
+            eager = partial(eager_step, model, cache, backend, layout, token_ids, positions, slots)
+            graph = partial(runner.run, token_ids, positions, slots, layout)
+            step_bytes = weights_bytes + batch * context * kv_bytes_per_token
+            floor_s = step_bytes / (bandwidth_gb_s * 1e9)
+            for impl, run in (("eager", eager), ("cuda graph", graph)):
+                step_s = gpu_median_s(run, steps)
+                rows.append(
+                    {"model": name, "impl": impl, "batch": batch, "context": context,
+                     "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
+                     "bytes_read": step_bytes, "achieved_gb_s": step_bytes / step_s / 1e9,
+                     "floor_ms": floor_s * 1e3, "floor_ratio": step_s / floor_s}
+                )  # fmt: skip
+            for _ in range(5):  # CPU time to launch one graph step on an idle GPU
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                graph()
+                launch_us.append((time.perf_counter() - started) * 1e6)
+            torch.cuda.synchronize()
+            print(f"  {name} context {context} batch {batch}: "
+                  f"eager {rows[-2]['step_ms']:.2f} ms, graph {rows[-1]['step_ms']:.2f} ms, "
+                  f"floor {floor_s * 1e3:.2f} ms", flush=True)  # fmt: skip
+    return rows, launch_us
+
+
+def prefill_rows(steps: int) -> list[Row]:
+    """One forward of 8 fresh prompts of 512 tokens (the kernel's prefill tiles);
+    the plan is prepared once, outside the timing."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for name in ("llama-1b", "smollm2-135m"):
+        config = llama_config(name)
+        model = LlamaModel(config, random_weights(config, device, dtype), device, dtype)
+        cache = PagedKVCache(config, 8 * 512 // BLOCK_SIZE, BLOCK_SIZE, device, dtype)
+        backend = make_backend("triton", dtype)
+        per_request = 512 // BLOCK_SIZE
+        layout = [
+            SequenceLayout(i * 512, 512, 0, list(range(i * per_request, (i + 1) * per_request)))
+            for i in range(8)
+        ]
+        num_tokens = 8 * 512
+        token_ids = torch.randint(config.vocab_size, (num_tokens,), device=device)
+        positions = torch.arange(512, device=device).repeat(8)
+        slots = torch.arange(num_tokens, device=device)
+        logits_rows = torch.arange(511, num_tokens, 512, device=device)
+        plan = backend.prepare(layout, BLOCK_SIZE, device)
+        run = partial(model.forward, token_ids, positions, slots, cache, backend, plan, logits_rows)
+        step_s = gpu_median_s(run, steps)
+        rows.append(
+            {"model": name, "impl": "forward, prefill 8 x 512", "batch": 8, "context": 512,
+             "step_ms": step_s * 1e3, "tokens_per_s": num_tokens / step_s}
+        )  # fmt: skip
+    return rows
+
+
+def table(result: dict[str, Any]) -> str:
+    """The Markdown table printed last (and written with ``--table-out``)."""
+    ceiling = result["ceilings"]
+    lines = [
+        f"GPU: {result['device']} | copy {ceiling['copy_bandwidth_gb_s']:.0f} GB/s | "
+        f"bf16 matmul {ceiling['bf16_matmul_tflop_s']:.0f} TFLOP/s",
+        "",
+        "| model | impl | batch | context | step ms | tokens/s | floor ms | × floor | GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        floor = f"{row['floor_ms']:.2f}" if "floor_ms" in row else ""
+        ratio = f"{row['floor_ratio']:.2f}" if "floor_ratio" in row else ""
+        achieved = f"{row['achieved_gb_s']:.0f}" if "achieved_gb_s" in row else ""
+        lines.append(
+            f"| {row['model']} | {row['impl']} | {row['batch']} | {row['context']} | "
+            f"{row['step_ms']:.2f} | {row['tokens_per_s']:,.0f} | {floor} | {ratio} | {achieved} |"
+        )
+    lines.append("")
+    for check in result["triton_check"]:
+        lines.append(
+            f"triton vs reference ({check['dtype']}): max relative error "
+            f"{check['max_relative_error']:.1e} (tolerance {check['tolerance']:.0e}) "
+            f"{'OK' if check['ok'] else 'FAIL'}"
+        )
+    for target in result["targets"]:
+        lines.append(f"{'PASS' if target['pass'] else 'MISS'}  {target['what']}: {target['value']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/gpu.json")
+    parser.add_argument("--table-out", default=None, help="also write the table here")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: GPU numbers not measured")
+        return 0
+    import triton
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    batches = [1, 8, 64] if args.quick else [1, 4, 16, 64, 128, 256]
+    contexts = [256, 1024] if args.quick else [256, 1024, 4096]
+    ceiling = ceilings(args.quick)
+    print(f"ceilings: {ceiling}", flush=True)
+    checks = check_triton(device)
+    rows, launch_us = [], []
+    for name in ("llama-1b", "smollm2-135m"):
+        config_rows, config_launch = measure_config(
+            name, batches, contexts, args.steps, ceiling["copy_bandwidth_gb_s"]
+        )
+        rows += config_rows
+        launch_us += config_launch
+        torch.cuda.empty_cache()  # the config's weights and pool are garbage now
+    rows += prefill_rows(args.steps)
+    targets = []
+    for impl in ("eager", "cuda graph"):
+        hit = [r for r in rows if r["model"] == "llama-1b" and r["impl"] == impl
+               and r["batch"] == TARGET_BATCH and r["context"] == TARGET_CONTEXT]  # fmt: skip
+        if hit:
+            ratio = hit[0]["floor_ratio"]
+            targets.append(
+                {"what": f"llama-1b decode batch 64 context 1024 ({impl}) within "
+                         f"{TARGET_FLOOR_RATIO}x of its bandwidth floor",
+                 "value": f"{ratio:.2f}x", "pass": ratio <= TARGET_FLOOR_RATIO}
+            )  # fmt: skip
+    median_launch = statistics.median(launch_us)
+    targets.append(
+        {"what": f"CUDA-graph decode step CPU launch overhead under {TARGET_LAUNCH_US:.0f} µs",
+         "value": f"median {median_launch:.1f} µs", "pass": median_launch < TARGET_LAUNCH_US}
+    )  # fmt: skip
+    result = {
+        "date": date.today().isoformat(),
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "block_size": BLOCK_SIZE,
+        "steps": args.steps,
+        "ceilings": ceiling,
+        "triton_check": checks,
+        "graph_launch_us": launch_us,
+        "rows": rows,
+        "targets": targets,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    text = table(result)
+    if args.table_out:
+        Path(args.table_out).write_text(text + "\n")
+    print(f"wrote {out}\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
