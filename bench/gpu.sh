@@ -45,7 +45,7 @@ if ! "$PYTHON" -m orcapod bench --help >/dev/null 2>&1; then
     echo "orcapod bench is not available: end-to-end run skipped"
 else
     up_log="$RESULTS_DIR/gpu_up.log"
-    "$PYTHON" -m orcapod up --port "$PORT" >"$up_log" 2>&1 &
+    "$PYTHON" -m orcapod up --port "$PORT" --worker-arg=--cuda-graphs >"$up_log" 2>&1 &
     up_pid=$!
     # Stop the service (ordered shutdown on SIGTERM) however this script ends.
     trap 'kill -TERM "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true' EXIT

@@ -39,6 +39,11 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
     parser.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
     parser.add_argument("--max-inflight", type=int, default=DEFAULTS["max_inflight"])
     parser.add_argument("--heartbeat-s", type=float, default=DEFAULTS["heartbeat_s"])
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay captured CUDA graphs for decode-only steps (CUDA only; ignored on the CPU)",
+    )
     args = parser.parse_args(argv)
     return WorkerSettings(
         redis=redis_settings_from_args(args),
@@ -52,6 +57,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         block_size=args.block_size,
         max_inflight=args.max_inflight,
         heartbeat_s=args.heartbeat_s,
+        cuda_graphs=args.cuda_graphs,
     )
 
 
@@ -63,7 +69,13 @@ def build_engine(settings: WorkerSettings) -> Engine:
         fraction=settings.kv_cache_fraction,
         block_size=settings.block_size,
     )
-    return Engine(model, budget, settings.attention_backend, worker_id=settings.worker_id)
+    return Engine(
+        model,
+        budget,
+        settings.attention_backend,
+        worker_id=settings.worker_id,
+        use_cuda_graphs=settings.cuda_graphs,
+    )
 
 
 async def serve(settings: WorkerSettings, engine: Engine) -> None:

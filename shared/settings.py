@@ -113,6 +113,7 @@ class WorkerSettings:
     block_size: int = 16
     max_inflight: int = 2
     heartbeat_s: float = 1.0
+    cuda_graphs: bool = False
 
 
 def redis_settings(
