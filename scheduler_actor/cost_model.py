@@ -28,6 +28,32 @@ class CostModel:
             + self.c_s_per_attended_token * num_attended_tokens
         )
 
+    def decode_step_s(self, batch_size: int, mean_context_tokens: float) -> float:
+        """One decode step of a full batch: one new token per request."""
+        return self.step_s(batch_size, round(batch_size * mean_context_tokens))
+
+    def latency_target_s_per_token(self, batch_size: int, mean_context_tokens: float) -> float:
+        """Orca's latency target: 2 x the engine's normalized execution time at the
+        largest batch (each request gets one token per decode step)."""
+        return 2 * self.decode_step_s(batch_size, mean_context_tokens)
+
+    def saturation_rps(
+        self, batch_size: int, mean_prompt_tokens: float, mean_output_tokens: float
+    ) -> float:
+        """Requests per second an iteration-level scheduler can at best sustain.
+
+        Each request costs its prompt's tokens (prefill shares steps with
+        decodes, so no fixed cost) and a 1/batch share of a full decode step
+        per generated token.
+        """
+        mean_context = mean_prompt_tokens + mean_output_tokens / 2
+        prefill_s = (
+            self.b_s_per_token * mean_prompt_tokens
+            + self.c_s_per_attended_token * mean_prompt_tokens**2 / 2
+        )
+        decode_s = mean_output_tokens * self.decode_step_s(batch_size, mean_context) / batch_size
+        return 1.0 / (prefill_s + decode_s)
+
     @classmethod
     def parse(cls, text: str) -> CostModel:
         """From ``"a,b,c"`` (seconds, seconds per token, seconds per attended token)."""

@@ -24,11 +24,21 @@ from scheduler_actor.simulation import (
     summarize,
 )
 
+# The Orca trace's means: prompt ~ U(32, 512), max_tokens ~ U(1, 128).
+ORCA_MEAN_PROMPT_TOKENS = 272.0
+ORCA_MEAN_OUTPUT_TOKENS = 64.5
+AUTO_RATE_SHARES = (0.1, 0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3)
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orcapod simulate", description=__doc__)
     parser.add_argument("--policies", default="request,orca,fair")
-    parser.add_argument("--rates", default="0.25,0.5,1,2,3,4,5,6,7", help="arrivals per second")
+    parser.add_argument(
+        "--rates",
+        default="auto",
+        help="arrivals per second, comma-separated; 'auto' sweeps 10%%..130%% of the "
+        "saturation rate the cost model predicts",
+    )
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost", help="a,b,c of step_s = a + b*new + c*attended")
@@ -91,11 +101,31 @@ def _headline(rows: list[dict], policies: list[str]) -> list[dict]:
     return headline
 
 
-def _tenant_run(args: argparse.Namespace, cluster: ClusterSpec) -> dict[str, list]:
-    """Tenant A sends three times as fast as B; both overload the worker."""
+def _saturation_rps(args: argparse.Namespace, cost_model: CostModel) -> float:
+    return cost_model.saturation_rps(
+        args.max_batch_size, ORCA_MEAN_PROMPT_TOKENS, ORCA_MEAN_OUTPUT_TOKENS
+    )
+
+
+def _rates(args: argparse.Namespace, cost_model: CostModel) -> list[float]:
+    if args.rates != "auto":
+        return [float(rate) for rate in args.rates.split(",")]
+    saturation = _saturation_rps(args, cost_model)
+    return [round(saturation * share, 4) for share in AUTO_RATE_SHARES]
+
+
+def _tenant_run(
+    args: argparse.Namespace, cluster: ClusterSpec, saturation_rps: float
+) -> dict[str, list]:
+    """Tenant A sends three times as fast as B; together they overload the worker 2x."""
     duration_s = args.tenant_duration_s
-    heavy = [r for r in orca_trace(100_000, 12.0, args.seed + 1, "A") if r.arrival_s < duration_s]
-    light = [r for r in orca_trace(100_000, 4.0, args.seed + 2, "B") if r.arrival_s < duration_s]
+    heavy_rps, light_rps = 1.5 * saturation_rps, 0.5 * saturation_rps
+    heavy = [
+        r for r in orca_trace(100_000, heavy_rps, args.seed + 1, "A") if r.arrival_s < duration_s
+    ]
+    light = [
+        r for r in orca_trace(100_000, light_rps, args.seed + 2, "B") if r.arrival_s < duration_s
+    ]
     trace: list[TraceRequest] = sorted(heavy + light, key=lambda r: r.arrival_s)
     curves: dict[str, list] = {}
     for policy in (PolicyName.FAIR, PolicyName.ORCA):
@@ -152,7 +182,7 @@ def main(argv: list[str]) -> int:
     try:
         cost_model = _cost_model(args)
         policies = [PolicyName(name).value for name in args.policies.split(",")]
-        rates = [float(rate) for rate in args.rates.split(",")]
+        rates = _rates(args, cost_model)
     except (ConfigError, ValueError) as error:
         print(f"orcapod simulate: {error}")
         return 2
@@ -175,12 +205,26 @@ def main(argv: list[str]) -> int:
                 f"{row['latency_p99_s_per_token']:>10.4f}"
             )
     headline = _headline(rows, policies)
+    mean_context = ORCA_MEAN_PROMPT_TOKENS + ORCA_MEAN_OUTPUT_TOKENS / 2
+    target_s = cost_model.latency_target_s_per_token(args.max_batch_size, mean_context)
+    at_target = {policy: throughput_at_latency(rows, policy, target_s) for policy in policies}
+    print(
+        f"at Orca's latency target ({target_s:.4f} s/token = 2 x a decode step of batch "
+        f"{args.max_batch_size}): "
+        + ", ".join(f"{policy} {rps:.2f} req/s" for policy, rps in at_target.items())
+    )
+    if at_target.get("request"):
+        for policy in policies:
+            if policy != "request":
+                print(f"  {policy} / request = {at_target[policy] / at_target['request']:.1f}x")
     for entry in headline:
         ratios = ", ".join(
             f"{key[:-6]} {value:.1f}x" for key, value in entry.items() if key.endswith("_ratio")
         )
         print(f"at median latency <= {entry['latency_p50_s_per_token']:.4f} s/token: {ratios}")
-    tenants = {} if args.skip_tenants else _tenant_run(args, cluster)
+    tenants = (
+        {} if args.skip_tenants else _tenant_run(args, cluster, _saturation_rps(args, cost_model))
+    )
     for policy, samples in tenants.items():
         final = samples[-1][1]
         print(
@@ -192,6 +236,8 @@ def main(argv: list[str]) -> int:
         "cluster": {"num_blocks": args.num_blocks, "block_size": args.block_size},
         "rows": rows,
         "headline": headline,
+        "latency_target_s_per_token": target_s,
+        "throughput_at_latency_target_rps": at_target,
         "tenants": tenants,
     }
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
