@@ -16,7 +16,6 @@ from collections.abc import Callable
 from http import HTTPStatus
 from urllib.parse import urlsplit
 
-import redis.asyncio as redis
 import structlog
 from redis.exceptions import RedisError
 from websockets.asyncio.server import ServerConnection, serve
@@ -30,6 +29,7 @@ from gateway.validation import ModelLimits
 from shared.keys import MESSAGE_FIELD, RedisKeys
 from shared.messages import SubmitRequest, encode
 from shared.protocol import Error, encode_json
+from shared.redis_streams import connect
 from shared.settings import GatewaySettings
 
 logger = structlog.get_logger(__name__)
@@ -68,11 +68,7 @@ class GatewayServer:
             limits,
             clock,
         )
-        self._redis = redis.Redis.from_url(
-            settings.redis.url,
-            socket_connect_timeout=REDIS_TIMEOUT_S,
-            socket_timeout=REDIS_TIMEOUT_S,
-        )
+        self._redis = connect(settings.redis.url, socket_timeout_s=REDIS_TIMEOUT_S)
         # Frames for each open socket, sent by that socket's writer task, so a
         # slow client never stalls the pub/sub reader that feeds everyone. Not
         # bounded here: a socket's frames are bounded by its in-flight limit

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.client import Pipeline
 
 from gpu_worker.engine import Engine, PlanError
 from shared.keys import WORKER_GROUP, RedisKeys
@@ -57,6 +58,9 @@ READ_BLOCK_MS = 100
 READ_COUNT = 16
 RESULT_STREAM_MAXLEN = 100_000
 SUMMARY_EVERY_STEPS = 200
+# Upper edges (µs) of the histogram of gaps between consecutive forward passes
+# that the stats hash keeps, so a benchmark can read the gap's median.
+STEP_GAP_EDGES_US = (100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000, 10_000, 100_000)
 # The heartbeat key outlives a few missed refreshes before the worker counts as gone.
 HEARTBEAT_TTL_FACTOR = 3
 
@@ -79,6 +83,8 @@ class _Done:
     output: StepOutput | None  # None: a skipped plan, only acknowledged
     batches: dict[str, list[SampledToken]] = field(default_factory=dict)
     dead_plan: tuple[str, bytes] | None = None  # (error, plan bytes) of a refused plan
+    num_requests: int = 0  # requests in the step's forward pass (its batch size)
+    step_gap_s: float | None = None  # time outside forward passes since the previous step
 
 
 class WorkerActor:
@@ -97,6 +103,7 @@ class WorkerActor:
         self._window_started_s = time.monotonic()
         self._window_busy_s = 0.0
         self._num_steps = 0
+        self._last_step_end_s: float | None = None
 
     @property
     def heartbeat_ttl_ms(self) -> int:
@@ -208,6 +215,7 @@ class WorkerActor:
         plan = self._release_stale_admissions(plan)
         try:
             output = await asyncio.to_thread(self.engine.step, plan)
+            step_end_s = time.perf_counter()
         except PlanError as error:
             _log.error("plan_refused", step_index=plan.step_index, error=str(error))
             empty = StepOutput(
@@ -226,7 +234,15 @@ class WorkerActor:
             else:
                 batches[gateway_ids.pop(token.request_id, "")].append(token)
         self._count(output)
-        return _Done(entry.entry_id, output, dict(batches))
+        step_gap_s = None
+        if output.num_new_tokens:
+            # Wall time between this forward pass and the previous one: the
+            # control plane's share (plan wait, thread hop, bookkeeping).
+            if self._last_step_end_s is not None:
+                step_gap_s = max(0.0, step_end_s - self._last_step_end_s - output.step_ms / 1000)
+            self._last_step_end_s = step_end_s
+        num_requests = len(plan.prefill_chunks) + len(plan.decode_request_ids)
+        return _Done(entry.entry_id, output, dict(batches), None, num_requests, step_gap_s)
 
     async def _forget_everything(self, epoch: int) -> None:
         """A new scheduler: drop the old one's requests (their K/V goes back to the pool)."""
@@ -280,8 +296,20 @@ class WorkerActor:
                     pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)
                     pipe.hincrby(stats, f"{self.worker_id}:num_steps", 1)
                     pipe.hincrby(stats, f"{self.worker_id}:num_tokens", output.num_new_tokens)
+                    pipe.hincrby(stats, f"{self.worker_id}:num_requests", item.num_requests)
+                if item.step_gap_s is not None:
+                    self._count_gap(pipe, item.step_gap_s)
             pipe.xack(self._plans_stream, WORKER_GROUP, item.entry_id)
             await pipe.execute()
+
+    def _count_gap(self, pipe: Pipeline, gap_s: float) -> None:
+        """Sum, count and histogram bucket of one gap between forward passes."""
+        stats, worker_id = self.keys.stats, self.worker_id
+        gap_us = gap_s * 1e6
+        edge = next((str(edge) for edge in STEP_GAP_EDGES_US if gap_us <= edge), "inf")
+        pipe.hincrbyfloat(stats, f"{worker_id}:step_gap_s", gap_s)
+        pipe.hincrby(stats, f"{worker_id}:num_step_gaps", 1)
+        pipe.hincrby(stats, f"{worker_id}:step_gap_le_us:{edge}", 1)
 
     def _count(self, output: StepOutput) -> None:
         """The hot loop's log: one summary line every SUMMARY_EVERY_STEPS steps."""

@@ -28,6 +28,8 @@ from shared.messages import encode
 
 T = TypeVar("T")
 
+# How long a command waits for a free pooled connection before it fails.
+POOL_WAIT_S = 30.0
 # The dead stream only helps a human debug; keep its most recent entries.
 DEAD_STREAM_MAXLEN = 10_000
 
@@ -43,18 +45,28 @@ class StreamEntry(Generic[T]):
     message: T
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(
+    url: str, *, max_connections: int = 64, socket_timeout_s: float | None = None
+) -> aioredis.Redis:
     """A client that retries on lost connections with exponential backoff.
 
-    Replies stay bytes: every payload is MessagePack.
+    Its pool blocks (up to ``POOL_WAIT_S``) when all ``max_connections`` are in
+    use, instead of failing: a burst of commands (a thousand clients sending
+    at once) waits its turn rather than turning into errors. Replies stay
+    bytes: every payload is MessagePack.
     """
-    return aioredis.Redis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=POOL_WAIT_S,
         decode_responses=False,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
+        socket_connect_timeout=socket_timeout_s,
+        socket_timeout=socket_timeout_s,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 async def ensure_group(redis: aioredis.Redis, stream: str, group: str, start_id: str = "0") -> bool:

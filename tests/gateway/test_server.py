@@ -394,3 +394,30 @@ def test_shutdown_closes_sockets_and_cancels_their_requests(
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_burst_of_a_thousand_requests_is_queued_not_refused(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    """1,000 generate frames at once (250 sockets x 4) are all accepted and all
+    reach the requests stream: more XADDs in flight than the Redis pool has
+    connections wait for one instead of failing."""
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        url = f"ws://127.0.0.1:{server.port}/ws"
+        sockets = await asyncio.gather(*(connect(url) for _ in range(250)))
+        try:
+            frames = [
+                json.dumps({"type": "generate", "id": f"q{i}", "prompt": "Hi", "max_tokens": 1})
+                for i in range(4)
+            ]
+            await asyncio.gather(*(socket.send(frame) for socket in sockets for frame in frames))
+            for socket in sockets:
+                replies = [await receive(socket) for _ in frames]
+                assert all(isinstance(reply, Accepted) for reply in replies), replies
+            assert await upstream.redis.xlen(KEYS.requests) == 1000
+        finally:
+            for socket in sockets:
+                await socket.close()
+
+    run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)

@@ -1,0 +1,17 @@
+# Benchmarks of the live service (docs/benchmarks.md, section "Live service").
+# Each target starts what it needs (a private redis-server, orcapod up) on 127.0.0.1
+# and stops it again; results land in bench/results/.
+PYTHON ?= .venv/bin/python
+
+.PHONY: bench bench-quick bench-compare bench-capacity
+
+bench: bench-compare bench-capacity
+
+bench-compare:
+	$(PYTHON) -m orcapod bench compare --no-progress
+
+bench-capacity:
+	$(PYTHON) -m orcapod bench capacity
+
+bench-quick:
+	$(PYTHON) -m orcapod bench compare --quick --no-progress --out bench/results/compare-quick
