@@ -3,17 +3,21 @@
 Four owned tasks in one TaskGroup, joined by two queues:
 
 - the *reader* XREADGROUPs this worker's plan stream and queues plans in order;
-- the *executor* runs each plan with ``asyncio.to_thread(engine.step, plan)``,
-  so the loop keeps doing Redis I/O meanwhile, and hands the output on;
+- the *engine thread* (owned by a task that awaits it) takes plans from a
+  thread-safe queue and runs them back to back, so the loop keeps doing
+  Redis I/O meanwhile and no event-loop hop sits between two forward passes;
+  it hands each output to the loop;
 - the *publisher* sends each step's effects in one pipelined round trip: one
   PUBLISH of a TokenBatch per gateway, the StepOutput to the results stream,
   the stats counters, then the XACK of the plan;
 - the *heartbeat* refreshes the worker's TTL key and re-registers when a new
   scheduler (a new epoch) starts.
 
-The executor never waits for the publisher: with two plans in flight (the
-scheduler sends plan k+1 before result k returns), the next plan is already
-queued when a step ends, so the engine runs back to back at saturation.
+The engine thread never waits for the publisher or the event loop: with two
+plans in flight (the scheduler sends plan k+1 before result k returns), the
+next plan is already queued when a step ends, so the engine runs back to back
+at saturation. Everything that reads or changes engine state (epoch fencing,
+stale admissions, the step itself, token routing) happens on that thread.
 
 Fencing: plans of an epoch older than the newest seen are skipped; the first
 plan of a newer epoch drops every request of the old scheduler first.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -144,12 +149,13 @@ class WorkerActor:
     async def run(self, stop: asyncio.Event) -> None:
         """Register, serve plans until ``stop`` is set, then leave."""
         await self.register()
-        plans: asyncio.Queue[StreamEntry[StepPlan] | None] = asyncio.Queue()
+        plans: queue.SimpleQueue[StreamEntry[StepPlan] | None] = queue.SimpleQueue()
         done: asyncio.Queue[_Done | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._heartbeat(stop))
             tasks.create_task(self._read(stop, plans))
-            tasks.create_task(self._execute(stop, plans, done))
+            tasks.create_task(asyncio.to_thread(self._run_engine, stop, plans, done, loop))
             tasks.create_task(self._publish(done))
         await send_message(self._redis, self.keys.control, WorkerLeft(worker_id=self.worker_id))
         await self._redis.delete(self.keys.worker_heartbeat(self.worker_id))
@@ -174,7 +180,7 @@ class WorkerActor:
                 self._joined_epoch = epoch
 
     async def _read(
-        self, stop: asyncio.Event, plans: asyncio.Queue[StreamEntry[StepPlan] | None]
+        self, stop: asyncio.Event, plans: queue.SimpleQueue[StreamEntry[StepPlan] | None]
     ) -> None:
         decoders = {self._plans_stream: decode_step_plan}
         try:
@@ -192,29 +198,31 @@ class WorkerActor:
         finally:
             plans.put_nowait(None)
 
-    async def _execute(
+    def _run_engine(
         self,
         stop: asyncio.Event,
-        plans: asyncio.Queue[StreamEntry[StepPlan] | None],
+        plans: queue.SimpleQueue[StreamEntry[StepPlan] | None],
         done: asyncio.Queue[_Done | None],
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
+        """The engine thread: run plans in order until the reader ends the queue."""
         try:
-            while (entry := await plans.get()) is not None and not stop.is_set():
-                done.put_nowait(await self._run_plan(entry))
+            while (entry := plans.get()) is not None and not stop.is_set():
+                loop.call_soon_threadsafe(done.put_nowait, self._run_plan(entry))
         finally:
             # Plans left unrun stay pending; the scheduler recomputes their requests.
-            done.put_nowait(None)
+            loop.call_soon_threadsafe(done.put_nowait, None)
 
-    async def _run_plan(self, entry: StreamEntry[StepPlan]) -> _Done:
+    def _run_plan(self, entry: StreamEntry[StepPlan]) -> _Done:
         plan = entry.message
         if plan.epoch < self.epoch:
             _log.info("stale_plan_skipped", step_index=plan.step_index, epoch=plan.epoch)
             return _Done(entry.entry_id, None)
         if plan.epoch > self.epoch:
-            await self._forget_everything(plan.epoch)
+            self._forget_everything(plan.epoch)
         plan = self._release_stale_admissions(plan)
         try:
-            output = await asyncio.to_thread(self.engine.step, plan)
+            output = self.engine.step(plan)
             step_end_s = time.perf_counter()
         except PlanError as error:
             _log.error("plan_refused", step_index=plan.step_index, error=str(error))
@@ -237,14 +245,14 @@ class WorkerActor:
         step_gap_s = None
         if output.num_new_tokens:
             # Wall time between this forward pass and the previous one: the
-            # control plane's share (plan wait, thread hop, bookkeeping).
+            # control plane's share (plan wait, bookkeeping outside the forward).
             if self._last_step_end_s is not None:
                 step_gap_s = max(0.0, step_end_s - self._last_step_end_s - output.step_ms / 1000)
             self._last_step_end_s = step_end_s
         num_requests = len(plan.prefill_chunks) + len(plan.decode_request_ids)
         return _Done(entry.entry_id, output, dict(batches), None, num_requests, step_gap_s)
 
-    async def _forget_everything(self, epoch: int) -> None:
+    def _forget_everything(self, epoch: int) -> None:
         """A new scheduler: drop the old one's requests (their K/V goes back to the pool)."""
         stale_ids = self.engine.active_request_ids
         if stale_ids:
@@ -254,7 +262,7 @@ class WorkerActor:
                 step_index=-1,
                 released_request_ids=stale_ids,
             )
-            await asyncio.to_thread(self.engine.step, release)
+            self.engine.step(release)
         self._gateway_ids.clear()
         _log.info("new_epoch", epoch=epoch, num_dropped=len(stale_ids))
         self.epoch = epoch
