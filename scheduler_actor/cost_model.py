@@ -13,12 +13,13 @@ from scheduler_actor.errors import ConfigError
 class CostModel:
     """Seconds of one forward pass from its new and attended token counts.
 
-    The defaults are roughly SmolLM2-135M in fp32 on a 2-core CPU.
+    The defaults are bench/engine.py's fit for SmolLM2-135M in fp32 on a
+    2-core AVX2 CPU (docs/benchmarks.md, "Engine").
     """
 
-    a_s: float = 0.020
-    b_s_per_token: float = 0.00035
-    c_s_per_attended_token: float = 0.0000004
+    a_s: float = 0.0698
+    b_s_per_token: float = 0.000890
+    c_s_per_attended_token: float = 0.00000654
 
     def step_s(self, num_new_tokens: int, num_attended_tokens: int) -> float:
         """Duration of one step."""
