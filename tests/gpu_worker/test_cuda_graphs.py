@@ -16,8 +16,7 @@ import random
 
 import pytest
 import torch
-
-pytest.importorskip("triton")
+import triton  # noqa: F401  (a test dependency: the kernels need it)
 
 from gpu_worker.attention import SequenceLayout, make_backend
 from gpu_worker.cuda_graphs import (

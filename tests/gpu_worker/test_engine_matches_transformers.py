@@ -10,14 +10,13 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 VARIANTS = ["llama", "qwen2", "llama3_rope", "untied"]
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from gateway.tokenizer import ChatTokenizer
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.plans import Job, run_jobs
-
-transformers = pytest.importorskip("transformers")
 
 QUESTIONS = [
     "Hi!",
