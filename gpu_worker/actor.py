@@ -46,7 +46,7 @@ from shared.messages import (
     TokenBatch,
     WorkerJoined,
     WorkerLeft,
-    decode_worker_message,
+    decode_step_plan,
     encode,
 )
 from shared.redis_streams import (
@@ -70,14 +70,6 @@ STEP_GAP_EDGES_US = (100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000, 10_0
 HEARTBEAT_TTL_FACTOR = 3
 
 _log = structlog.get_logger(__name__)
-
-
-def decode_step_plan(data: bytes) -> StepPlan:
-    """A StepPlan of a plan stream; anything else is refused."""
-    message = decode_worker_message(data)
-    if not isinstance(message, StepPlan):
-        raise ValueError(f"expected a step_plan, got {type(message).__name__}")
-    return message
 
 
 @dataclass

@@ -42,7 +42,7 @@ from shared.messages import (
     WorkerJoined,
     WorkerLeft,
     decode_control_message,
-    decode_worker_message,
+    decode_step_output,
     encode,
 )
 from shared.redis_streams import StreamEntry, ensure_group, read_group, xadd_message
@@ -61,14 +61,6 @@ CONSUMER_NAME = "scheduler"
 Event = SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft | StepOutput
 
 _log = structlog.get_logger(__name__)
-
-
-def decode_step_output(data: bytes) -> StepOutput:
-    """A StepOutput of the results stream; anything else is refused."""
-    message = decode_worker_message(data)
-    if not isinstance(message, StepOutput):
-        raise ValueError(f"expected a step_output, got {type(message).__name__}")
-    return message
 
 
 def scheduler_config(settings: SchedulerSettings, epoch: int) -> SchedulerConfig:

@@ -198,6 +198,22 @@ def decode_worker_message(data: bytes) -> StepPlan | StepOutput:
     return _decoder.decode(data)
 
 
+def decode_step_plan(data: bytes) -> StepPlan:
+    """A StepPlan (from a worker's plan stream); anything else is refused."""
+    message = decode_worker_message(data)
+    if not isinstance(message, StepPlan):
+        raise msgspec.ValidationError(f"expected a step_plan, got {type(message).__name__}")
+    return message
+
+
+def decode_step_output(data: bytes) -> StepOutput:
+    """A StepOutput (from the results stream); anything else is refused."""
+    message = decode_worker_message(data)
+    if not isinstance(message, StepOutput):
+        raise msgspec.ValidationError(f"expected a step_output, got {type(message).__name__}")
+    return message
+
+
 def decode_control_message(
     data: bytes,
 ) -> SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft:

@@ -31,6 +31,7 @@ from shared.messages import (
 from shared.protocol import Accepted, Done, Error, Token, decode_server_message
 from shared.settings import GatewaySettings, RedisSettings, model_location
 from tests.conftest import RedisServer
+from tests.gateway.worker_tokens import worker_tokens
 
 GATEWAY_ID = "gw-test"
 KEYS = RedisKeys("test")
@@ -69,22 +70,6 @@ class FakeUpstream:
 
     async def publish_raw(self, data: bytes) -> None:
         assert await self.redis.publish(KEYS.tokens(GATEWAY_ID), data) == 1
-
-
-def sampled(
-    tokenizer: ChatTokenizer, request_id: str, text: str, finish: str | None = "length"
-) -> list[SampledToken]:
-    """``text`` as the tokens a worker would publish, the last one carrying ``finish``."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return [
-        SampledToken(
-            request_id=request_id,
-            token_id=token_id,
-            index=index,
-            finish_reason=finish if index == len(ids) - 1 else None,  # type: ignore[arg-type]
-        )
-        for index, token_id in enumerate(ids)
-    ]
 
 
 async def send(socket: ClientConnection, **frame: Any) -> None:
@@ -203,7 +188,7 @@ def test_chat_request_streams_tokens_then_done(
             assert submit.sampling.max_tokens == 20 and submit.sampling.temperature == 0.5
             # A multi-byte character over several tokens, then the model's end of turn.
             text = "🦩 flamingo 世界"
-            tokens = sampled(chat_tokenizer, request_id, text, finish=None)
+            tokens = worker_tokens(chat_tokenizer, request_id, text, finish=None)
             eos = SampledToken(request_id, chat_tokenizer.eos_token_id or 0, len(tokens), "stop")
             # Out of order and duplicated: each seq reaches the client once, in order.
             await upstream.publish(tokens[1], tokens[0])
@@ -262,7 +247,7 @@ def test_each_validation_error_leaves_the_socket_usable(
             _, done = await receive_until_done(socket)
             assert done.finish_reason == "cancelled"
             request_id = await accept(socket, "c")
-            await upstream.publish(*sampled(chat_tokenizer, request_id, "ok"))
+            await upstream.publish(*worker_tokens(chat_tokenizer, request_id, "ok"))
             frames, done = await receive_until_done(socket)
             assert "".join(frame.text for frame in frames) == "ok" and done.id == "c"
 
@@ -283,7 +268,7 @@ def test_cancel_stop_strings_and_closed_sockets_cancel_upstream(
         async with connect(server.url) as socket:
             # Cancel: done with usage so far, a CancelRequest, nothing after.
             cancelled = await accept(socket, "c")
-            tokens = sampled(chat_tokenizer, cancelled, "one two three")
+            tokens = worker_tokens(chat_tokenizer, cancelled, "one two three")
             await upstream.publish(*tokens[:2])
             assert [(await receive(socket)).seq for _ in range(2)] == [0, 1]
             await send(socket, type="cancel", id="c")
@@ -294,7 +279,9 @@ def test_cancel_stop_strings_and_closed_sockets_cancel_upstream(
             await upstream.publish(*tokens[2:])
             # Stop string: the text stops right before it, then done stop and a cancel.
             stopped = await accept(socket, "s", stop=["\n\n", "END"])
-            await upstream.publish(*sampled(chat_tokenizer, stopped, "Sure: yes END no", None))
+            await upstream.publish(
+                *worker_tokens(chat_tokenizer, stopped, "Sure: yes END no", None)
+            )
             frames, done = await receive_until_done(socket)
             assert "".join(frame.text for frame in frames) == "Sure: yes "
             assert done.finish_reason == "stop" and done.id == "s"
@@ -313,7 +300,7 @@ def test_resume_on_a_new_socket_replays_without_loss_or_duplicates(
         text = "one two three four five six"
         async with connect(server.url) as first:
             request_id = await accept(first, "a")
-            tokens = sampled(chat_tokenizer, request_id, text)
+            tokens = worker_tokens(chat_tokenizer, request_id, text)
             await upstream.publish(*tokens[:3])
             seen = [await receive(first) for _ in range(2)]  # seq 2 is "lost" with the socket
             async with connect(server.url) as second:
@@ -365,7 +352,7 @@ def test_undecodable_and_rejected_messages_do_not_stop_the_gateway(
             await upstream.publish_raw(encode(rejected))
             assert await receive(socket) == Error(code="prompt_too_long", message="big", id="r")
             request_id = await accept(socket, "r")
-            await upstream.publish(*sampled(chat_tokenizer, request_id, "still here"))
+            await upstream.publish(*worker_tokens(chat_tokenizer, request_id, "still here"))
             frames, done = await receive_until_done(socket)
             assert "".join(frame.text for frame in frames) == "still here"
             assert done.finish_reason == "length"

@@ -20,6 +20,7 @@ from shared.messages import (
     encode,
 )
 from shared.protocol import Accepted, Done, Error, Token
+from tests.gateway.worker_tokens import worker_tokens
 
 
 class FakeClock:
@@ -69,21 +70,6 @@ def batch(*tokens: SampledToken) -> bytes:
     return encode(TokenBatch(worker_id="w", tokens=list(tokens)))
 
 
-def tokens_of(
-    tokenizer: ChatTokenizer, request_id: str, text: str, finish: str | None = "length"
-) -> list[SampledToken]:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return [
-        SampledToken(
-            request_id=request_id,
-            token_id=token_id,
-            index=index,
-            finish_reason=finish if index == len(ids) - 1 else None,  # type: ignore[arg-type]
-        )
-        for index, token_id in enumerate(ids)
-    ]
-
-
 def test_generate_submits_the_tokenized_prompt(
     session: GatewaySession, chat_tokenizer: ChatTokenizer
 ) -> None:
@@ -115,7 +101,7 @@ def test_tokens_in_order_exactly_once_with_timings(
 ) -> None:
     socket_id = session.connect()
     request_id = generate(session, socket_id, "a")
-    t0, t1, t2, t3, t4 = tokens_of(chat_tokenizer, request_id, "🦩 flamingo")
+    t0, t1, t2, t3, t4 = worker_tokens(chat_tokenizer, request_id, "🦩 flamingo")
     clock.now_s += 0.25
     # Ahead-of-order tokens wait for the missing one; duplicates are dropped.
     assert frames(session.on_gateway_message(batch(t1, t2), "ch")) == []
@@ -142,7 +128,7 @@ def test_stop_string_truncates_and_cancels_upstream(
     socket_id = session.connect()
     request_id = generate(session, socket_id, "a", stop=["END"])
     actions = session.on_gateway_message(
-        batch(*tokens_of(chat_tokenizer, request_id, "one two END three", finish=None)), "ch"
+        batch(*worker_tokens(chat_tokenizer, request_id, "one two END three", finish=None)), "ch"
     )
     sent = frames(actions)
     assert "".join(frame.text for frame in sent if isinstance(frame, Token)) == "one two "
@@ -155,7 +141,7 @@ def test_cancel_ends_with_done_and_drops_later_tokens(
 ) -> None:
     socket_id = session.connect()
     request_id = generate(session, socket_id, "a")
-    token0, token1 = tokens_of(chat_tokenizer, request_id, "Hi there")
+    token0, token1 = worker_tokens(chat_tokenizer, request_id, "Hi there")
     session.on_gateway_message(batch(token0), "ch")
     actions = session.on_frame(socket_id, '{"type":"cancel","id":"a"}')
     assert upstream(actions) == [CancelRequest(request_id=request_id)]
@@ -172,7 +158,9 @@ def test_disconnect_cancels_and_resume_replays_the_end(
 ) -> None:
     socket_id = session.connect()
     request_id = generate(session, socket_id, "a")
-    session.on_gateway_message(batch(tokens_of(chat_tokenizer, request_id, "Hi there")[0]), "ch")
+    session.on_gateway_message(
+        batch(worker_tokens(chat_tokenizer, request_id, "Hi there")[0]), "ch"
+    )
     assert upstream(session.disconnect(socket_id)) == [CancelRequest(request_id=request_id)]
     other = session.connect()
     replay = frames(session.on_frame(other, f'{{"type":"resume","request_id":"{request_id}"}}'))
@@ -185,7 +173,7 @@ def test_resume_moves_a_live_request_to_the_new_socket(
 ) -> None:
     old = session.connect()
     request_id = generate(session, old, "a")
-    tokens = tokens_of(chat_tokenizer, request_id, "one two three four")
+    tokens = worker_tokens(chat_tokenizer, request_id, "one two three four")
     session.on_gateway_message(batch(*tokens[:2]), "ch")
     new = session.connect()
     resume = f'{{"type":"resume","request_id":"{request_id}","after_seq":0,"id":"b"}}'
@@ -205,7 +193,7 @@ def test_finished_requests_are_forgotten_after_the_retention(
 ) -> None:
     socket_id = session.connect()
     request_id = generate(session, socket_id, "a")
-    session.on_gateway_message(batch(*tokens_of(chat_tokenizer, request_id, "Hi")), "ch")
+    session.on_gateway_message(batch(*worker_tokens(chat_tokenizer, request_id, "Hi")), "ch")
     assert session.stream(request_id) is not None
     clock.now_s += session.config.retention_s + 1
     resume = f'{{"type":"resume","request_id":"{request_id}"}}'
