@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,7 +75,6 @@ class EngineStats:
     num_steps: int = 0
     num_tokens: int = 0
     busy_s: float = 0.0
-    step_ms_history: list[float] = field(default_factory=list)
 
 
 def load_model(model_dir: Path, device: str | None = None, dtype: str | None = None) -> LlamaModel:
