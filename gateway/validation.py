@@ -8,6 +8,7 @@ so the caller only has to turn it into an ``error`` frame.
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,7 +105,9 @@ def validate_generate(
         temperature=generate.temperature,
         top_p=generate.top_p,
         top_k=generate.top_k,
-        seed=generate.seed,
+        # A seed for every request: token i then depends only on (seed, i), so a
+        # recompute after a lost worker or scheduler samples the same tokens again.
+        seed=generate.seed if generate.seed is not None else secrets.randbits(63),
         max_tokens=generate.max_tokens,
         # The worker adds the model's EOS and end-of-turn ids itself (unless ignore_eos).
         stop_token_ids=(),

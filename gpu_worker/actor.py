@@ -36,6 +36,7 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
 from gpu_worker.engine import Engine, PlanError
 from shared.keys import WORKER_GROUP, RedisKeys
@@ -54,9 +55,11 @@ from shared.redis_streams import (
     position_group_at_end,
     queue_dead_letter,
     read_group,
+    reconnect_backoff_s,
     send_message,
     xadd_message,
 )
+from shared.request_log import queue_tokens
 from shared.settings import WorkerSettings
 
 READ_BLOCK_MS = 100
@@ -159,33 +162,51 @@ class WorkerActor:
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat_s)
             if stop.is_set():
                 return
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.set(self.keys.worker_heartbeat(self.worker_id), b"1", px=self.heartbeat_ttl_ms)
-            pipe.get(self.keys.epoch)
-            _, raw_epoch = await pipe.execute()
-            epoch = None if raw_epoch is None else int(raw_epoch)
-            if self._joined_epoch is not None and epoch is not None and epoch != self._joined_epoch:
-                # A new scheduler knows nothing of us until we join again.
-                await send_message(self._redis, self.keys.control, self.joined_message())
-                _log.info("worker_rejoined", worker_id=self.worker_id, epoch=epoch)
-            if epoch is not None:
-                self._joined_epoch = epoch
+            try:
+                await self._beat()
+            except (RedisError, OSError) as error:
+                _log.warning("heartbeat_failed", error=str(error))
+
+    async def _beat(self) -> None:
+        """Refresh the heartbeat; join again when a new scheduler (epoch) started."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self.keys.worker_heartbeat(self.worker_id), b"1", px=self.heartbeat_ttl_ms)
+        pipe.get(self.keys.epoch)
+        _, raw_epoch = await pipe.execute()
+        epoch = None if raw_epoch is None else int(raw_epoch)
+        if self._joined_epoch is not None and epoch is not None and epoch != self._joined_epoch:
+            # A new scheduler knows nothing of us until we join again.
+            await send_message(self._redis, self.keys.control, self.joined_message())
+            _log.info("worker_rejoined", worker_id=self.worker_id, epoch=epoch)
+        if epoch is not None:
+            self._joined_epoch = epoch
 
     async def _read(
         self, stop: asyncio.Event, plans: queue.SimpleQueue[StreamEntry[StepPlan] | None]
     ) -> None:
         decoders = {self._plans_stream: decode_step_plan}
+        failures = 0
         try:
             while not stop.is_set():
-                for entry in await read_group(
-                    self._redis,
-                    WORKER_GROUP,
-                    self.worker_id,
-                    decoders,
-                    self.keys.dead,
-                    block_ms=READ_BLOCK_MS,
-                    count=READ_COUNT,
-                ):
+                try:
+                    entries = await read_group(
+                        self._redis,
+                        WORKER_GROUP,
+                        self.worker_id,
+                        decoders,
+                        self.keys.dead,
+                        block_ms=READ_BLOCK_MS,
+                        count=READ_COUNT,
+                    )
+                except (RedisError, OSError) as error:
+                    # A plan lost with the connection is fenced off by the new
+                    # epoch the scheduler takes when Redis comes back.
+                    _log.warning("plan_read_failed", error=str(error), failures=failures)
+                    await asyncio.sleep(reconnect_backoff_s(failures))
+                    failures += 1
+                    continue
+                failures = 0
+                for entry in entries:
                     plans.put_nowait(entry)
         finally:
             plans.put_nowait(None)
@@ -280,27 +301,48 @@ class WorkerActor:
         )
 
     async def _publish(self, done: asyncio.Queue[_Done | None]) -> None:
-        stats = self.keys.stats
+        failures = 0
         while (item := await done.get()) is not None:
-            pipe = self._redis.pipeline(transaction=False)
-            if item.dead_plan is not None:
-                error, data = item.dead_plan
-                queue_dead_letter(pipe, self.keys.dead, self._plans_stream, error, data)
-            for gateway_id, tokens in item.batches.items():
-                batch = TokenBatch(worker_id=self.worker_id, tokens=tokens)
-                pipe.publish(self.keys.tokens(gateway_id), encode(batch))
-            output = item.output
-            if output is not None:
-                xadd_message(pipe, self.keys.results, output, maxlen=RESULT_STREAM_MAXLEN)
-                if output.num_new_tokens:
-                    pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)
-                    pipe.hincrby(stats, f"{self.worker_id}:num_steps", 1)
-                    pipe.hincrby(stats, f"{self.worker_id}:num_tokens", output.num_new_tokens)
-                    pipe.hincrby(stats, f"{self.worker_id}:num_requests", item.num_requests)
-                if item.step_gap_s is not None:
-                    self._count_gap(pipe, item.step_gap_s)
-            pipe.xack(self._plans_stream, WORKER_GROUP, item.entry_id)
-            await pipe.execute()
+            while True:
+                try:
+                    await self._publish_one(item)
+                    failures = 0
+                    break
+                except (RedisError, OSError) as error:
+                    # Nothing of the step is out (one transaction): send it again
+                    # once Redis answers. A step sent twice is harmless: the log
+                    # and the gateways keep each token index once, the scheduler
+                    # ignores a result it already has.
+                    _log.warning("publish_failed", error=str(error), failures=failures)
+                    await asyncio.sleep(reconnect_backoff_s(failures))
+                    failures += 1
+
+    async def _publish_one(self, item: _Done) -> None:
+        """One step's effects in one MULTI/EXEC: the tokens a gateway sees are
+        exactly those in the request logs and in the result the scheduler reads."""
+        stats = self.keys.stats
+        pipe = self._redis.pipeline(transaction=True)
+        if item.dead_plan is not None:
+            error, data = item.dead_plan
+            queue_dead_letter(pipe, self.keys.dead, self._plans_stream, error, data)
+        for gateway_id, tokens in item.batches.items():
+            batch = TokenBatch(worker_id=self.worker_id, tokens=tokens)
+            pipe.publish(self.keys.tokens(gateway_id), encode(batch))
+        output = item.output
+        if output is not None:
+            for token in output.tokens:
+                queue_tokens(pipe, self.keys, self.worker_id, token)
+            xadd_message(pipe, self.keys.results, output, maxlen=RESULT_STREAM_MAXLEN)
+            if output.num_new_tokens:
+                pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)
+                pipe.hincrby(stats, f"{self.worker_id}:num_steps", 1)
+                pipe.hincrby(stats, f"{self.worker_id}:num_tokens", output.num_new_tokens)
+                pipe.hincrby(stats, f"{self.worker_id}:num_requests", item.num_requests)
+            if item.step_gap_s is not None:
+                self._count_gap(pipe, item.step_gap_s)
+        pipe.xack(self._plans_stream, WORKER_GROUP, item.entry_id)
+        pipe.xdel(self._plans_stream, item.entry_id)
+        await pipe.execute()
 
     def _count_gap(self, pipe: Pipeline, gap_s: float) -> None:
         """Sum, count and histogram bucket of one gap between forward passes."""

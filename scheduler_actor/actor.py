@@ -5,8 +5,16 @@ control and requests streams (one XREADGROUP over the three, blocking at most
 ``READ_BLOCK_MS``), applies every message to the core as an event, asks the
 core for every plan it can send now, and then, in one pipelined round trip,
 XADDs the plans, publishes rejections and acknowledges the messages it
-applied. Once a second it also checks worker heartbeats and refreshes the
-ready key.
+applied. Once a second it also checks worker heartbeats, refreshes the
+ready key and checks that Redis is still the same server process.
+
+Durability: a ``SubmitRequest`` stays pending in the requests stream's
+consumer group until its request ends, and each request's log (see
+``shared/request_log.py``) holds the tokens already sent. A new incarnation
+(a restarted process, or this one after Redis failed or restarted) takes a
+new epoch, so workers drop the old plans' state, and recovers every pending
+request with its tokens from the log: it is recomputed from prompt + those
+tokens, and the client sees each token once.
 
 Overlap: workers join with ``max_inflight`` 2, so the core keeps a second
 plan queued behind the one running. A result wakes the blocked XREADGROUP at
@@ -17,13 +25,15 @@ finds its next plan already in its stream when a step ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
 from scheduler_actor.config import PolicyName, SchedulerConfig
 from scheduler_actor.core import Scheduler
@@ -33,6 +43,7 @@ from scheduler_actor.errors import (
     RequestTooLargeError,
     SchedulerError,
 )
+from scheduler_actor.request import FinishedRequest
 from shared.keys import SCHEDULER_GROUP, RedisKeys
 from shared.messages import (
     CancelRequest,
@@ -45,7 +56,15 @@ from shared.messages import (
     decode_step_output,
     encode,
 )
-from shared.redis_streams import StreamEntry, ensure_group, read_group, xadd_message
+from shared.redis_streams import (
+    StreamEntry,
+    ensure_group,
+    read_group,
+    read_pending,
+    reconnect_backoff_s,
+    xadd_message,
+)
+from shared.request_log import read_request_log
 from shared.settings import SchedulerSettings
 
 READ_BLOCK_MS = 100
@@ -61,6 +80,11 @@ CONSUMER_NAME = "scheduler"
 Event = SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft | StepOutput
 
 _log = structlog.get_logger(__name__)
+
+
+class RedisRestartedError(Exception):
+    """Redis answers as a new server process: what it lost is unknown, so the
+    scheduler starts a new incarnation from what Redis holds now."""
 
 
 def scheduler_config(settings: SchedulerSettings, epoch: int) -> SchedulerConfig:
@@ -100,6 +124,10 @@ class SchedulerActor:
         self._next_housekeeping_s = 0.0
         self._next_summary_s = 0.0
         self._counters = _Counters()
+        self._epoch = 0
+        self._redis_run_id = ""
+        # Request id -> its SubmitRequest's entry, acknowledged when the request ends.
+        self._submit_entry_ids: dict[str, bytes] = {}
         self._decoders = {
             # Results first: they free capacity the other events may use.
             self.keys.results: decode_step_output,
@@ -114,23 +142,92 @@ class SchedulerActor:
         return self._core
 
     async def start(self) -> None:
-        """Take a new epoch and make sure the consumer groups exist."""
+        """Take a new epoch, make sure the consumer groups exist and recover
+        every request an earlier incarnation left unfinished."""
         epoch = int(await self._redis.incr(self.keys.epoch))
+        if epoch <= self._epoch:
+            # Redis came back without the counter: stay above the fenced epochs.
+            epoch = self._epoch + 1
+            await self._redis.set(self.keys.epoch, epoch)
+        self._epoch = epoch
         self._core = Scheduler(scheduler_config(self.settings, epoch), self._clock)
+        self._last_alive_s.clear()
+        self._submit_entry_ids.clear()
         # "0": a worker may have joined, or a gateway submitted, before we started.
         for stream in self._decoders:
             await ensure_group(self._redis, stream, SCHEDULER_GROUP, start_id="0")
-        _log.info("scheduler_started", epoch=epoch, policy=self.settings.policy)
+        self._redis_run_id = await self._server_run_id()
+        num_recovered = await self._recover()
+        _log.info(
+            "scheduler_started",
+            epoch=epoch,
+            policy=self.settings.policy,
+            num_recovered=num_recovered,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Start, then turn until ``stop`` is set; the ready key goes with us."""
-        await self.start()
+        """Start, then turn until ``stop`` is set; the ready key goes with us.
+
+        When Redis fails for longer than the client's retries, or restarts,
+        the scheduler starts again (a new incarnation) once Redis answers.
+        """
+        failures = 0
         try:
             while not stop.is_set():
-                await self.turn()
+                try:
+                    await self.start()
+                    failures = 0
+                    while not stop.is_set():
+                        await self.turn()
+                except RedisRestartedError:
+                    _log.warning("redis_restarted", epoch=self._epoch)
+                except (RedisError, OSError) as error:
+                    _log.warning("redis_unreachable", error=str(error), failures=failures)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), reconnect_backoff_s(failures))
+                    failures += 1
         finally:
-            await self._redis.delete(self.keys.ready)
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.delete(self.keys.ready)
             _log.info("scheduler_stopped", **vars(self._counters))
+
+    async def _recover(self) -> int:
+        """Take back what an earlier incarnation read and did not finish: every
+        pending request (with the tokens its log says were sent), pending
+        cancels and joins; its pending results are stale (their tokens are in
+        the logs). Returns the number of requests recovered."""
+        redis, dead = self._redis, self.keys.dead
+        pipe = self._redis.pipeline(transaction=True)
+        for entry in await read_pending(
+            redis, SCHEDULER_GROUP, CONSUMER_NAME, self.keys.requests, decode_control_message, dead
+        ):
+            message = entry.message
+            log = None
+            if isinstance(message, SubmitRequest):
+                log = await read_request_log(redis, self.keys, message.request_id)
+            if not isinstance(message, SubmitRequest) or (log is not None and log.is_finished):
+                self._ack(pipe, self.keys.requests, entry.entry_id)
+                continue
+            self._submit(
+                entry.entry_id, message, pipe, generated_ids=[] if log is None else log.token_ids
+            )
+        for entry in await read_pending(
+            redis, SCHEDULER_GROUP, CONSUMER_NAME, self.keys.control, decode_control_message, dead
+        ):
+            await self._apply(entry, pipe)
+            self._ack(pipe, self.keys.control, entry.entry_id)
+        for result in await read_pending(
+            redis, SCHEDULER_GROUP, CONSUMER_NAME, self.keys.results, decode_step_output, dead
+        ):
+            self._ack(pipe, self.keys.results, result.entry_id)
+        if len(pipe):
+            await pipe.execute()
+        return len(self._submit_entry_ids)
+
+    async def _server_run_id(self) -> str:
+        """The Redis server process's run id: a new one means Redis restarted."""
+        info = await self._redis.info("server")
+        return str(info.get("run_id", ""))
 
     async def turn(self) -> None:
         """Read, apply, plan, send and acknowledge once."""
@@ -143,22 +240,26 @@ class SchedulerActor:
             block_ms=READ_BLOCK_MS,
             count=READ_COUNT,
         )
-        pipe = self._redis.pipeline(transaction=False)
+        # One transaction: the plans, rejections and acknowledgements of a turn
+        # reach Redis together or not at all.
+        pipe = self._redis.pipeline(transaction=True)
         membership_changed = False
         for entry in entries:
             membership_changed |= await self._apply(entry, pipe)
         now = self._clock()
         if now >= self._next_housekeeping_s:
             self._next_housekeeping_s = now + HOUSEKEEPING_S
-            await self._check_heartbeats(now)
+            if await self._server_run_id() != self._redis_run_id:
+                raise RedisRestartedError
+            await self._check_heartbeats(now, pipe)
             membership_changed = True
         if membership_changed:
             self._refresh_ready(pipe)
         self._queue_plans(pipe)
-        for stream in self._decoders:
-            entry_ids = [entry.entry_id for entry in entries if entry.stream == stream]
-            if entry_ids:
-                pipe.xack(stream, SCHEDULER_GROUP, *entry_ids)
+        for entry in entries:
+            # A request's submit stays pending until the request ends.
+            if entry.stream != self.keys.requests:
+                self._ack(pipe, entry.stream, entry.entry_id)
         if len(pipe):
             await pipe.execute()
         if now >= self._next_summary_s and (entries or self.core.requests):
@@ -178,19 +279,39 @@ class SchedulerActor:
         core = self.core
         if isinstance(message, StepOutput):
             self._counters.num_results += 1
-            core.on_result(message)
+            self._ack_finished(core.on_result(message), pipe)
         elif isinstance(message, SubmitRequest):
-            self._submit(message, pipe)
+            self._submit(entry.entry_id, message, pipe)
         elif isinstance(message, CancelRequest):
-            core.cancel(message.request_id)
+            self._ack_finished(core.cancel(message.request_id), pipe)
         elif isinstance(message, WorkerJoined):
             return await self._join(message, pipe)
         elif isinstance(message, WorkerLeft) and message.worker_id in core.workers:
-            self._lose(message.worker_id, reason="left")
+            self._lose(message.worker_id, "left", pipe)
             return True
         return False
 
-    def _submit(self, message: SubmitRequest, pipe: Pipeline) -> None:
+    def _ack(self, pipe: Pipeline, stream: str, entry_id: bytes) -> None:
+        """Done with an entry: acknowledge it, and delete it so the stream stays short."""
+        pipe.xack(stream, SCHEDULER_GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+
+    def _ack_finished(self, finished: Sequence[FinishedRequest], pipe: Pipeline) -> None:
+        """Requests that ended: their submits leave the pending list."""
+        for request in finished:
+            entry_id = self._submit_entry_ids.pop(request.request_id, None)
+            if entry_id is not None:
+                self._ack(pipe, self.keys.requests, entry_id)
+
+    def _submit(
+        self,
+        entry_id: bytes,
+        message: SubmitRequest,
+        pipe: Pipeline,
+        generated_ids: Sequence[int] = (),
+    ) -> None:
+        from scheduler_actor.errors import QueueFullError
+
         self._counters.num_submitted += 1
         code: str | None = None
         reason = ""
@@ -204,16 +325,23 @@ class SchedulerActor:
                     message.prompt_ids,
                     message.sampling,
                     gateway_id=message.gateway_id,
+                    generated_ids=generated_ids,
+                    limits=message.limits,
                 )
             except RequestTooLargeError as error:
                 code, reason = "prompt_too_long", str(error)
             except (InvalidRequestError, DuplicateRequestError) as error:
                 code, reason = "invalid_request", str(error)
+            except QueueFullError as error:
+                code, reason = "queue_full", str(error)
         if code is not None:
             self._counters.num_rejected += 1
             _log.info("request_rejected", request_id=message.request_id, code=code, reason=reason)
             rejection = RequestRejected(request_id=message.request_id, code=code, message=reason)
             pipe.publish(self.keys.tokens(message.gateway_id), encode(rejection))
+            self._ack(pipe, self.keys.requests, entry_id)
+        else:
+            self._submit_entry_ids[message.request_id] = entry_id
 
     async def _join(self, message: WorkerJoined, pipe: Pipeline) -> bool:
         worker_id = message.worker_id
@@ -222,7 +350,7 @@ class SchedulerActor:
             _log.warning("join_of_dead_worker_ignored", worker_id=worker_id)
             return False
         if worker_id in self.core.workers:
-            self._lose(worker_id, reason="rejoined")
+            self._lose(worker_id, "rejoined", pipe)
         try:
             self.core.worker_joined(
                 worker_id, message.num_blocks, message.block_size, message.max_inflight
@@ -242,14 +370,14 @@ class SchedulerActor:
         )
         return True
 
-    def _lose(self, worker_id: str, reason: str) -> None:
+    def _lose(self, worker_id: str, reason: str, pipe: Pipeline) -> None:
         """Forget a worker; its requests wait again and are recomputed elsewhere."""
         num_placed = len(self.core.workers[worker_id].placed)
-        self.core.worker_lost(worker_id)
+        self._ack_finished(self.core.worker_lost(worker_id), pipe)
         self._last_alive_s.pop(worker_id, None)
         _log.warning("worker_lost", worker_id=worker_id, reason=reason, num_requeued=num_placed)
 
-    async def _check_heartbeats(self, now: float) -> None:
+    async def _check_heartbeats(self, now: float, turn_pipe: Pipeline) -> None:
         worker_ids = list(self.core.workers)
         if not worker_ids:
             return
@@ -261,7 +389,7 @@ class SchedulerActor:
             if is_alive:
                 self._last_alive_s[worker_id] = now
             elif now - self._last_alive_s.get(worker_id, now) > self.settings.worker_timeout_s:
-                self._lose(worker_id, reason="heartbeat_timeout")
+                self._lose(worker_id, "heartbeat_timeout", turn_pipe)
 
     def _refresh_ready(self, pipe: Pipeline) -> None:
         if self.core.workers:

@@ -9,7 +9,7 @@ FinishedRequest records to deliver to clients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from scheduler_actor.block_ledger import BlockLedger
 from scheduler_actor.config import SchedulerConfig
@@ -17,15 +17,17 @@ from scheduler_actor.errors import (
     DuplicateRequestError,
     DuplicateWorkerError,
     InvalidRequestError,
+    QueueFullError,
     RequestTooLargeError,
     UnknownWorkerError,
 )
 from scheduler_actor.plan_builder import PlanBuilder
 from scheduler_actor.policy import make_policy
 from scheduler_actor.request import FinishedRequest, Request, RequestStatus
+from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
 from scheduler_actor.worker_state import WorkerState
-from shared.messages import FinishReason, SamplingParams, StepOutput, StepPlan
+from shared.messages import FinishReason, SamplingParams, StepOutput, StepPlan, TenantLimits
 
 
 class Scheduler:
@@ -35,7 +37,8 @@ class Scheduler:
         self.config = config
         self._clock = clock
         self.vtc = VirtualTokenCounter(config)
-        self._policy = make_policy(config, self.vtc, self._is_preferred)
+        self.tenants = TenantLedger()
+        self._policy = make_policy(config, self.vtc, self.tenants, self._is_preferred)
         self._requests: dict[str, Request] = {}
         self._workers: dict[str, WorkerState] = {}
         self._next_arrival_seq = 0
@@ -66,20 +69,35 @@ class Scheduler:
         prompt_ids: list[int],
         sampling: SamplingParams,
         gateway_id: str = "",
+        generated_ids: Sequence[int] = (),
+        limits: TenantLimits | None = None,
     ) -> None:
-        """Accept a request; raises InvalidRequestError, DuplicateRequestError or,
+        """Accept a request; raises InvalidRequestError, DuplicateRequestError,
         when workers have joined and none could ever hold prompt + max_tokens,
-        RequestTooLargeError."""
+        RequestTooLargeError, and QueueFullError when the tenant already has
+        ``limits.max_queued`` requests waiting. ``limits`` become the tenant's
+        weight and quotas from now on (without them, the configured ones stay). ``generated_ids``: tokens already sent to the client
+        (a request recovered by a new scheduler); it continues after them."""
         if not prompt_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
         if sampling.max_tokens < 1:
             raise InvalidRequestError(f"request {request_id!r} has max_tokens < 1")
+        if len(generated_ids) >= sampling.max_tokens:
+            raise InvalidRequestError(f"request {request_id!r} has all its tokens already")
         if request_id in self._requests:
             raise DuplicateRequestError(f"request {request_id!r} is already live")
         num_tokens = len(prompt_ids) + sampling.max_tokens
         if self._workers and not any(w.ledger.can_hold(num_tokens) for w in self._workers.values()):
             raise RequestTooLargeError(
                 f"request {request_id!r} needs {num_tokens} K/V slots, more than any worker has"
+            )
+        if limits is not None:
+            self.vtc.set_weight(tenant, limits.weight)
+            self.tenants.set_limits(tenant, limits)
+        if not self.tenants.can_queue(tenant):
+            raise QueueFullError(
+                f"tenant {tenant!r} already has {self.tenants.num_waiting(tenant)} requests "
+                f"waiting (its max_queued is {self.tenants.max_queued(tenant)}); retry later"
             )
         request = Request(
             request_id=request_id,
@@ -89,9 +107,11 @@ class Scheduler:
             arrival_s=self._clock(),
             arrival_seq=self._next_arrival_seq,
             gateway_id=gateway_id,
+            generated_ids=list(generated_ids),
         )
         self._next_arrival_seq += 1
         self._requests[request_id] = request
+        self.tenants.queued(tenant)
         self._policy.enqueue(request)
 
     def cancel(self, request_id: str) -> list[FinishedRequest]:
@@ -102,12 +122,14 @@ class Scheduler:
             return []
         if request.status is RequestStatus.WAITING:
             self._policy.discard(request)
+            self.tenants.left_waiting(request.tenant)
             request.status = RequestStatus.FINISHED
             request.finish_reason = "cancelled"
             return [self._release(request)]
         worker = self._workers[_worker_id(request)]
         worker.ledger.free(request.num_blocks)
         del worker.placed[request_id]
+        self.tenants.left_running(request.tenant)
         worker.pending_release_ids.append(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = "cancelled"
@@ -137,6 +159,7 @@ class Scheduler:
             raise UnknownWorkerError(worker_id)
         for request in sorted(worker.placed.values(), key=_arrival_seq):
             request.unplace()
+            self.tenants.unplaced(request.tenant)
             self._policy.enqueue(request)
         return [self._release(request) for request in worker.held]
 
@@ -148,7 +171,7 @@ class Scheduler:
             raise UnknownWorkerError(worker_id)
         if not worker.can_plan():
             return None
-        builder = PlanBuilder(worker, self._next_step_index, self.config.epoch)
+        builder = PlanBuilder(worker, self._next_step_index, self.config.epoch, self.tenants)
         self._policy.fill(builder)
         plan = builder.build()
         if plan is None:
@@ -198,6 +221,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del worker.placed[request.request_id]
+        self.tenants.left_running(request.tenant)
         if self._policy.holds_results_until_batch_end:
             worker.held.append(request)
             return self._release_batch_if_done(worker)

@@ -59,6 +59,11 @@ class RedisKeys:
         """Stream: the StepPlans of one worker, in order."""
         return f"{self.prefix}:plans:{worker_id}"
 
+    def request_log(self, request_id: str) -> str:
+        """Stream: one request's RequestRecord, the tokens sent for it, maybe its end
+        (durable: resume on any gateway, recovery by a new scheduler)."""
+        return f"{self.prefix}:log:{request_id}"
+
     def tokens(self, gateway_id: str) -> str:
         """Pub/sub channel: TokenBatch and RequestRejected for one gateway."""
         return f"{self.prefix}:tokens:{gateway_id}"

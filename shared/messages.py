@@ -1,4 +1,4 @@
-"""Wire messages between the scheduler and the GPU workers.
+"""Wire messages between the actors (and the durable request log).
 
 Every message is a frozen msgspec Struct with a tag (so unions decode to the
 right type) and a ``version`` field. MessagePack on Redis, one encoder.
@@ -12,7 +12,7 @@ its paged K/V cache; the scheduler mirrors only block *counts*
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -125,6 +125,20 @@ class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_
         return [token.request_id for token in self.tokens if token.finish_reason is not None]
 
 
+class TenantLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the scheduler enforces for one tenant, as the gateway's tenant table says.
+
+    ``weight`` divides the tenant's VTC charges (2 gets twice the service of
+    1); ``max_queued`` caps its requests waiting for a worker (one more is
+    refused with ``queue_full``); ``max_in_flight`` caps its requests on
+    workers at once (the others wait). Each submit carries the latest values.
+    """
+
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    max_queued: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
 class SubmitRequest(msgspec.Struct, frozen=True, tag="submit", forbid_unknown_fields=True):
     """Gateway → scheduler (requests stream): a tokenized, validated request."""
 
@@ -133,6 +147,8 @@ class SubmitRequest(msgspec.Struct, frozen=True, tag="submit", forbid_unknown_fi
     tenant: str
     prompt_ids: list[int]
     sampling: SamplingParams
+    # Defaulted so that a submit written before limits existed still decodes.
+    limits: TenantLimits = TenantLimits()
     version: int = WIRE_VERSION
 
 
@@ -177,14 +193,36 @@ class RequestRejected(msgspec.Struct, frozen=True, tag="rejected", forbid_unknow
     version: int = WIRE_VERSION
 
 
+class RequestRecord(msgspec.Struct, frozen=True, tag="record", forbid_unknown_fields=True):
+    """Gateway → the request's log (first entry): everything needed to serve the
+    request's stream again on any gateway, and to recover it in a new scheduler."""
+
+    submit: SubmitRequest
+    client_id: str  # the `id` of the client's `generate`
+    stop: list[str] = []
+    version: int = WIRE_VERSION
+
+
+class RequestEnded(msgspec.Struct, frozen=True, tag="ended", forbid_unknown_fields=True):
+    """Gateway → the request's log: the gateway ended the request itself (a
+    cancel, a closed socket, a stop string) after its first ``num_tokens`` tokens."""
+
+    request_id: str
+    num_tokens: int
+    version: int = WIRE_VERSION
+
+
 WorkerMessage = StepPlan | StepOutput
 ControlMessage = SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft
 GatewayMessage = TokenBatch | RequestRejected
+# A request's log: its record, then the tokens workers sent (TokenBatch), maybe an end.
+RequestLogEntry = RequestRecord | TokenBatch | RequestEnded
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(WorkerMessage)
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)
 _gateway_decoder = msgspec.msgpack.Decoder(GatewayMessage)
+_log_decoder = msgspec.msgpack.Decoder(RequestLogEntry)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -224,3 +262,8 @@ def decode_control_message(
 def decode_gateway_message(data: bytes) -> TokenBatch | RequestRejected:
     """Decode a message published to a gateway's channel."""
     return _gateway_decoder.decode(data)
+
+
+def decode_log_entry(data: bytes) -> RequestRecord | TokenBatch | RequestEnded:
+    """Decode one entry of a request's log."""
+    return _log_decoder.decode(data)

@@ -27,9 +27,12 @@ from shared.keys import MESSAGE_FIELD
 from shared.messages import encode
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 # How long a command waits for a free pooled connection before it fails.
 POOL_WAIT_S = 30.0
+# Waits between tries while Redis does not answer (the last one repeats).
+RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 # The dead stream only helps a human debug; keep its most recent entries.
 DEAD_STREAM_MAXLEN = 10_000
 
@@ -37,12 +40,12 @@ _log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class StreamEntry(Generic[T]):
+class StreamEntry(Generic[T_co]):
     """One decoded entry of a stream read through a consumer group."""
 
     stream: str
     entry_id: bytes
-    message: T
+    message: T_co
 
 
 def connect(
@@ -115,20 +118,60 @@ async def read_group(
         by_stream[stream] = raw_entries
     entries: list[StreamEntry[T]] = []
     for stream, decode in decoders.items():
-        for entry_id, fields in by_stream.get(stream, []):
-            data = (fields or {}).get(MESSAGE_FIELD.encode())
-            try:
-                if data is None:
-                    raise ValueError(f"entry has no {MESSAGE_FIELD!r} field")
-                message = decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
-                await dead_letter(redis, dead_stream, stream, str(error), data or b"")
-                await redis.xack(stream, group, entry_id)
-                _log.warning(
-                    "undecodable_entry", stream=stream, entry_id=entry_id.decode(), error=str(error)
-                )
-                continue
-            entries.append(StreamEntry(stream, entry_id, message))
+        entries += await _decode_entries(
+            redis, group, stream, decode, dead_stream, by_stream.get(stream, [])
+        )
+    return entries
+
+
+async def read_pending(
+    redis: aioredis.Redis,
+    group: str,
+    consumer: str,
+    stream: str,
+    decode: Callable[[bytes], T],
+    dead_stream: str,
+    *,
+    count: int = 1000,
+) -> list[StreamEntry[T]]:
+    """Every entry of ``stream`` delivered to ``consumer`` and not yet
+    acknowledged (what an earlier incarnation was still working on), oldest
+    first; undecodable ones are dead-lettered and acknowledged."""
+    entries: list[StreamEntry[T]] = []
+    after_id = b"0"
+    while True:
+        reply = await redis.xreadgroup(group, consumer, {stream: after_id}, count=count)
+        raw_entries = [entry for _, page in _stream_items(reply) for entry in page]
+        if not raw_entries:
+            return entries
+        after_id = raw_entries[-1][0]
+        entries += await _decode_entries(redis, group, stream, decode, dead_stream, raw_entries)
+
+
+async def _decode_entries(
+    redis: aioredis.Redis,
+    group: str,
+    stream: str,
+    decode: Callable[[bytes], T],
+    dead_stream: str,
+    raw_entries: list[tuple[bytes, dict[bytes, bytes]]],
+) -> list[StreamEntry[T]]:
+    entries: list[StreamEntry[T]] = []
+    for entry_id, fields in raw_entries:
+        # A pending entry deleted meanwhile comes back without fields.
+        data = (fields or {}).get(MESSAGE_FIELD.encode())
+        try:
+            if data is None:
+                raise ValueError(f"entry has no {MESSAGE_FIELD!r} field")
+            message = decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
+            await dead_letter(redis, dead_stream, stream, str(error), data or b"")
+            await redis.xack(stream, group, entry_id)
+            _log.warning(
+                "undecodable_entry", stream=stream, entry_id=entry_id.decode(), error=str(error)
+            )
+            continue
+        entries.append(StreamEntry(stream, entry_id, message))
     return entries
 
 
@@ -173,3 +216,8 @@ async def send_message(
         stream, {MESSAGE_FIELD: encode(message)}, maxlen=maxlen, approximate=True
     )
     return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
+
+
+def reconnect_backoff_s(failures: int) -> float:
+    """How long to wait before the next try after ``failures`` failed ones in a row."""
+    return RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
