@@ -1,4 +1,5 @@
-"""What the gateway core asks its shell to do: send a frame, post upstream, dead-letter.
+"""What the gateway core asks its shell to do: send a frame, post upstream,
+dead-letter, read or follow a request's log.
 
 Plain data, carried out by the shell in the order the core returns them.
 """
@@ -7,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.messages import CancelRequest, SubmitRequest
-from shared.protocol import Accepted, Done, Error, Token
+from gateway.tenants import TokenReservation
+from shared.messages import CancelRequest, RequestEnded, RequestRecord, SubmitRequest
+from shared.protocol import Accepted, Done, Error, Resume, Token
 
 ServerFrame = Accepted | Token | Done | Error
 
@@ -23,9 +25,37 @@ class SendFrame:
 
 @dataclass(frozen=True)
 class PostUpstream:
-    """XADD ``message``: a SubmitRequest to the requests stream, a CancelRequest to control."""
+    """XADD ``message``: a SubmitRequest to the requests stream, a CancelRequest to
+    control; in the same transaction, append ``log_entry`` to the request's log.
+
+    With a ``reservation``, a submit first takes its tokens from the tenant's
+    per-minute budget in Redis; over it, the request ends in ``queue_full``
+    (``GatewaySession.on_submit_refused``) and nothing is posted.
+    """
 
     message: SubmitRequest | CancelRequest
+    log_entry: RequestRecord | RequestEnded | None = None
+    reservation: TokenReservation | None = None
+
+
+@dataclass(frozen=True)
+class LoadLog:
+    """Read request ``request_id``'s log from Redis (a ``resume`` of a request
+    this gateway does not know) and hand it to ``GatewaySession.on_log_loaded``."""
+
+    socket_id: int
+    request_id: str
+    resume: Resume
+
+
+@dataclass(frozen=True)
+class FollowLog:
+    """Read request ``request_id``'s log from after ``after_entry_id`` as it grows,
+    feeding ``GatewaySession.on_log_entries``, until the request is finished here.
+    Tokens of a request another gateway accepted come this way."""
+
+    request_id: str
+    after_entry_id: bytes
 
 
 @dataclass(frozen=True)
@@ -37,4 +67,4 @@ class DeadLetter:
     data: bytes
 
 
-Action = SendFrame | PostUpstream | DeadLetter
+Action = SendFrame | PostUpstream | DeadLetter | LoadLog | FollowLog

@@ -4,32 +4,60 @@ It owns the I/O and nothing else: a websockets server (``/ws``, ``/healthz``),
 one redis.asyncio client, one pub/sub reader for the gateway's tokens
 channel, one heartbeat, and per socket one reader and one writer. Every task
 is owned by a TaskGroup and awaited. Shutdown, when ``stop`` is set, is
-ordered: stop accepting and close every socket (which cancels their requests
-upstream), then stop the reader and the heartbeat, then close Redis.
+ordered: stop accepting sockets and refuse new requests, let the requests in
+flight finish (at most ``drain_timeout_s``), close every socket (which cancels
+what is left upstream), then stop the reader and the heartbeat, then close Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import structlog
 from redis.exceptions import RedisError
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed, InvalidHeader
+from websockets.frames import CloseCode
+from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
-from gateway.actions import Action, DeadLetter, PostUpstream, SendFrame
+from gateway.actions import Action, DeadLetter, FollowLog, LoadLog, PostUpstream, SendFrame
 from gateway.session import GatewaySession, SessionConfig
+from gateway.tenant_loader import TenantLoader
+from gateway.tenants import (
+    SUBPROTOCOL,
+    TOKENS_WINDOW_S,
+    AuthError,
+    Tenant,
+    TokenReservation,
+    UnprotectedHostError,
+    authenticate,
+    is_loopback_host,
+    over_tokens_per_minute,
+    presented_key,
+    tokens_window,
+)
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
 from shared.keys import MESSAGE_FIELD, RedisKeys
-from shared.messages import SubmitRequest, encode
+from shared.messages import RequestRecord, SubmitRequest, encode
 from shared.protocol import Error, encode_json
-from shared.redis_streams import connect
+from shared.redis_streams import connect, reconnect_backoff_s
+from shared.request_log import (
+    RawEntries,
+    decode_entries,
+    queue_end,
+    queue_record,
+    read_request_log,
+)
 from shared.settings import GatewaySettings
 
 logger = structlog.get_logger(__name__)
@@ -40,9 +68,9 @@ HEALTH_PATH = "/healthz"
 # the client gets an `error` it can act on instead of a closed socket.
 LIBRARY_MAX_SIZE_FACTOR = 16
 POLL_S = 0.5
+DRAIN_POLL_S = 0.05
 HEALTH_TIMEOUT_S = 1.0
 REDIS_TIMEOUT_S = 5.0
-RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 DEAD_STREAM_MAX_LEN = 10_000
 
 
@@ -69,12 +97,23 @@ class GatewayServer:
             clock,
         )
         self._redis = connect(settings.redis.url, socket_timeout_s=REDIS_TIMEOUT_S)
+        self._tenants = TenantLoader(settings.tenants_file, self._redis, self._keys.tenants)
+        self._tenants_reload = asyncio.Event()
+        # Without any key the gateway is open, which only loopback may be.
+        self._open_allowed = is_loopback_host(settings.host)
+        # The tenant each handshake authenticated, until its socket handler takes it.
+        self._handshake_tenants: weakref.WeakKeyDictionary[ServerConnection, Tenant] = (
+            weakref.WeakKeyDictionary()
+        )
         # Frames for each open socket, sent by that socket's writer task, so a
         # slow client never stalls the pub/sub reader that feeds everyone. Not
         # bounded here: a socket's frames are bounded by its in-flight limit
         # times max_tokens, and keepalive pings drop dead peers.
         self._outboxes: dict[int, asyncio.Queue[str | None]] = {}
         self._readers_stop = asyncio.Event()
+        # Logs followed (requests another gateway accepted): request id -> last entry read.
+        self._followed: dict[str, bytes] = {}
+        self._follow_wakeup = asyncio.Event()
         self.listening = asyncio.Event()
         self.port: int | None = None
 
@@ -88,13 +127,22 @@ class GatewayServer:
         """The websocket endpoint, once listening."""
         return f"ws://{self.settings.host}:{self.port}{WS_PATH}"
 
+    def request_tenants_reload(self) -> None:
+        """Re-read the tenants file and hash now (SIGHUP), not at the next poll."""
+        self._tenants_reload.set()
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set, then shut down in order."""
+        """Serve until ``stop`` is set, then shut down in order. Raises
+        TenantConfigError for a broken tenants file, and UnprotectedHostError
+        when asked to listen beyond loopback without any API key."""
         subscribed = asyncio.Event()
         try:
+            await self._load_tenants(stop)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._read_tokens(subscribed), name="gateway-tokens")
                 tasks.create_task(self._heartbeat(), name="gateway-heartbeat")
+                tasks.create_task(self._watch_tenants(), name="gateway-tenants")
+                tasks.create_task(self._follow_logs(), name="gateway-logs")
                 try:
                     # Serve only once tokens can reach us: a request accepted
                     # before the SUBSCRIBE is in place could lose its first tokens.
@@ -113,15 +161,51 @@ class GatewayServer:
             self.settings.host,
             self.settings.port,
             process_request=self._process_request,
+            select_subprotocol=_select_subprotocol,
             max_size=LIBRARY_MAX_SIZE_FACTOR * self.settings.max_frame_bytes,
         ) as server:
             self.port = int(next(iter(server.sockets)).getsockname()[1])
             logger.info("gateway listening", url=self.url, gateway_id=self.settings.gateway_id)
             self.listening.set()
             await stop.wait()
-            logger.info("gateway shutting down", num_sockets=self._session.num_sockets)
+            await self._drain(server)
         # Leaving `serve` closed every socket and awaited its handler, so every
-        # live request has been cancelled upstream by now.
+        # request still live has been cancelled upstream by now.
+
+    async def _drain(self, server: Server) -> None:
+        """Stop listening and refuse new requests; wait (at most the drain timeout)
+        for the requests in flight and their last frames; then close every socket."""
+        # Open sockets stay open; connections still in their handshake get a 503.
+        server.close(close_connections=False)
+        self._session.start_draining()
+        logger.info(
+            "gateway draining",
+            num_sockets=self._session.num_sockets,
+            num_requests=self._session.num_live_requests,
+            drain_timeout_s=self.settings.drain_timeout_s,
+        )
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + self.settings.drain_timeout_s
+        while self._has_unsent_work() and loop.time() < deadline_s:
+            await asyncio.sleep(DRAIN_POLL_S)
+        # A writer that just took the last frame from its outbox sends it now.
+        await asyncio.sleep(0)
+        logger.info(
+            "gateway shutting down",
+            num_sockets=self._session.num_sockets,
+            num_unfinished=self._session.num_live_requests,
+        )
+        async with asyncio.TaskGroup() as closing:
+            for connection in server.connections:
+                closing.create_task(
+                    connection.close(CloseCode.GOING_AWAY, "gateway is shutting down")
+                )
+
+    def _has_unsent_work(self) -> bool:
+        """Requests in flight, or frames not yet handed to their socket."""
+        return self._session.num_live_requests > 0 or any(
+            not outbox.empty() for outbox in self._outboxes.values()
+        )
 
     # --- HTTP ------------------------------------------------------------------------
 
@@ -137,6 +221,15 @@ class GatewayServer:
             return connection.respond(
                 HTTPStatus.NOT_FOUND, f"not found; the endpoint is {WS_PATH}\n"
             )
+        key = presented_key(request.headers.get("Authorization"), _offered_subprotocols(request))
+        try:
+            tenant = authenticate(self._tenants.table, key, open_allowed=self._open_allowed)
+        except AuthError as error:
+            logger.info("handshake refused", reason=str(error).strip())
+            response = connection.respond(HTTPStatus.UNAUTHORIZED, str(error))
+            response.headers["WWW-Authenticate"] = 'Bearer realm="orcapod"'
+            return response
+        self._handshake_tenants[connection] = tenant
         return None
 
     async def _is_ready(self) -> bool:
@@ -151,7 +244,7 @@ class GatewayServer:
     # --- sockets ---------------------------------------------------------------------
 
     async def _serve_socket(self, connection: ServerConnection) -> None:
-        socket_id = self._session.connect()
+        socket_id = self._session.connect(self._handshake_tenants.pop(connection))
         outbox: asyncio.Queue[str | None] = asyncio.Queue()
         self._outboxes[socket_id] = outbox
         structlog.contextvars.bind_contextvars(socket_id=socket_id)
@@ -189,10 +282,16 @@ class GatewayServer:
                         needs_subscribe = False
                     message = await pubsub.get_message(timeout=POLL_S)
                 except (RedisError, OSError) as error:
-                    # redis-py reconnects and subscribes again on the next call;
-                    # what was published meanwhile is lost (pub/sub keeps nothing).
+                    # A fresh subscription on a fresh connection: redis-py's own
+                    # reconnect of a broken pub/sub connection can keep failing
+                    # long after Redis is back. What was published meanwhile is
+                    # read from the requests' logs once subscribed again.
                     logger.warning("tokens channel unreachable", error=str(error))
-                    await self._sleep_unless_stopping(_backoff_s(failures))
+                    with contextlib.suppress(RedisError, OSError):
+                        await pubsub.aclose()
+                    pubsub = self._redis.pubsub()
+                    needs_subscribe = True
+                    await self._sleep_unless_stopping(reconnect_backoff_s(failures))
                     failures += 1
                     continue
                 failures = 0
@@ -200,11 +299,14 @@ class GatewayServer:
                     continue
                 if message["type"] == "subscribe":
                     logger.info("subscribed", channel=channel)
+                    if subscribed.is_set():
+                        await self._catch_up()
                     subscribed.set()
                 elif message["type"] == "message":
                     await self._apply(self._on_gateway_message(message["data"], channel))
         finally:
-            await pubsub.aclose()
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
 
     def _on_frame(self, socket_id: int, frame: str | bytes) -> list[Action]:
         try:
@@ -248,13 +350,30 @@ class GatewayServer:
                 await self._post_upstream(action)
             elif isinstance(action, DeadLetter):
                 await self._dead_letter(action)
+            elif isinstance(action, LoadLog):
+                await self._load_log(action)
+            elif isinstance(action, FollowLog):
+                self._followed[action.request_id] = action.after_entry_id
+                self._follow_wakeup.set()
 
     async def _post_upstream(self, action: PostUpstream) -> None:
         message = action.message
+        if action.reservation is not None and isinstance(message, SubmitRequest):
+            refusal = await self._reserve_tokens(action.reservation, message.request_id)
+            if refusal:
+                await self._apply(refusal)
+                return
         is_submit = isinstance(message, SubmitRequest)
         stream = self._keys.requests if is_submit else self._keys.control
         try:
-            await self._redis.xadd(stream, {MESSAGE_FIELD: encode(message)})
+            # One transaction: a request is submitted only with its log started.
+            pipe = self._redis.pipeline(transaction=True)
+            if isinstance(action.log_entry, RequestRecord):
+                queue_record(pipe, self._keys, action.log_entry)
+            elif action.log_entry is not None:
+                queue_end(pipe, self._keys, action.log_entry)
+            pipe.xadd(stream, {MESSAGE_FIELD: encode(message)})
+            await pipe.execute()
         except (RedisError, OSError) as error:
             logger.error(
                 "could not post upstream",
@@ -264,6 +383,139 @@ class GatewayServer:
             )
             if is_submit:
                 await self._apply(self._session.on_submit_failed(message.request_id, str(error)))
+
+    async def _reserve_tokens(
+        self, reservation: TokenReservation, request_id: str
+    ) -> list[Action] | None:
+        """Take the request's tokens from its tenant's budget of this minute, in a
+        counter all gateways share; the actions that end it when over (else None)."""
+        window, retry_in_s = tokens_window(time.time())
+        key = self._keys.tenant_tokens(reservation.tenant, window)
+        try:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.incrby(key, reservation.num_tokens)
+            # Two windows: the counter outlives its minute even on a skewed clock.
+            pipe.expire(key, 2 * TOKENS_WINDOW_S)
+            num_reserved, _ = await pipe.execute()
+            if int(num_reserved) <= reservation.tokens_per_minute:
+                return None
+            # A refused request takes nothing: give its tokens back.
+            await self._redis.decrby(key, reservation.num_tokens)
+        except (RedisError, OSError) as error:
+            logger.error("could not reserve tokens", request_id=request_id, error=str(error))
+            return self._session.on_submit_failed(request_id, str(error))
+        message = over_tokens_per_minute(
+            reservation, int(num_reserved) - reservation.num_tokens, retry_in_s
+        )
+        logger.info("request over its tenant's tokens per minute", request_id=request_id)
+        return self._session.on_submit_refused(request_id, "queue_full", message)
+
+    async def _load_tenants(self, stop: asyncio.Event) -> None:
+        """The first tenant table; waits for Redis (until ``stop``) to read its hash."""
+        failures = 0
+        while True:
+            try:
+                await self._tenants.load()
+                break
+            except (RedisError, OSError) as error:
+                logger.warning("cannot read the tenants hash yet", error=str(error))
+            try:
+                async with asyncio.timeout(reconnect_backoff_s(failures)):
+                    await stop.wait()
+                return
+            except TimeoutError:
+                failures += 1
+        if self._tenants.table.num_keys == 0 and not self._open_allowed:
+            raise UnprotectedHostError(
+                f"no API keys are configured (tenants file: {self.settings.tenants_file}, "
+                f"Redis hash: {self._keys.tenants}), so the gateway would be open to anyone "
+                f"on {self.settings.host}; add keys, or listen on 127.0.0.1"
+            )
+
+    async def _watch_tenants(self) -> None:
+        """Re-read the tenants every ``tenants_reload_s`` (the file only when it
+        changed), and at once when asked (SIGHUP), until shutdown."""
+        while not self._readers_stop.is_set():
+            try:
+                async with asyncio.timeout(self.settings.tenants_reload_s):
+                    await _wait_any(self._tenants_reload, self._readers_stop)
+            except TimeoutError:
+                pass
+            if self._readers_stop.is_set():
+                return
+            forced = self._tenants_reload.is_set()
+            self._tenants_reload.clear()
+            await self._tenants.reload(force_file=forced)
+
+    async def _load_log(self, action: LoadLog) -> None:
+        try:
+            log = await read_request_log(self._redis, self._keys, action.request_id)
+        except (RedisError, OSError) as error:
+            logger.warning("could not read a request log", error=str(error))
+            frame = Error(
+                code="internal", message=f"cannot reach redis: {error}", id=action.resume.id
+            )
+            await self._apply([SendFrame(action.socket_id, frame)])
+            return
+        await self._apply(self._session.on_log_loaded(action.socket_id, action.resume, log))
+
+    async def _follow_logs(self) -> None:
+        """Feed the session the tokens of requests taken over from another
+        gateway, read from their logs (one blocking XREAD for all of them)."""
+        failures = 0
+        while not self._readers_stop.is_set():
+            unfinished = set(self._session.unfinished_request_ids())
+            self._followed = {
+                request_id: entry_id
+                for request_id, entry_id in self._followed.items()
+                if request_id in unfinished
+            }
+            if not self._followed:
+                self._follow_wakeup.clear()
+                await _wait_any(self._follow_wakeup, self._readers_stop)
+                continue
+            streams: dict[str | bytes, bytes] = {
+                self._keys.request_log(request_id): entry_id
+                for request_id, entry_id in self._followed.items()
+            }
+            try:
+                reply = cast(
+                    list[tuple[bytes, RawEntries]],
+                    await self._redis.xread(
+                        cast(Any, streams), block=int(POLL_S * 1000), count=256
+                    ),
+                )
+            except (RedisError, OSError) as error:
+                logger.warning("request logs unreachable", error=str(error))
+                await self._sleep_unless_stopping(reconnect_backoff_s(failures))
+                failures += 1
+                continue
+            failures = 0
+            for raw_stream, raw_entries in reply or []:
+                log_key = raw_stream.decode()
+                request_id = log_key.removeprefix(self._keys.request_log(""))
+                if request_id in self._followed and raw_entries:
+                    self._followed[request_id] = raw_entries[-1][0]
+                decoded = [entry for _, entry in decode_entries(raw_entries, log_key)]
+                await self._apply(self._session.on_log_entries(request_id, decoded))
+
+    async def _catch_up(self) -> None:
+        """Read again the log of every request running here, for tokens pub/sub
+        lost while Redis was unreachable (tried again until Redis answers)."""
+        pending = self._session.unfinished_request_ids()
+        failures = 0
+        while pending and not self._readers_stop.is_set():
+            request_id = pending[-1]
+            try:
+                log = await read_request_log(self._redis, self._keys, request_id)
+            except (RedisError, OSError) as error:
+                logger.warning("could not read a request log", error=str(error))
+                await self._sleep_unless_stopping(reconnect_backoff_s(failures))
+                failures += 1
+                continue
+            pending.pop()
+            if log is not None:
+                await self._apply(self._session.on_log_entries(request_id, log.as_entries()))
 
     async def _dead_letter(self, action: DeadLetter) -> None:
         try:
@@ -293,6 +545,25 @@ async def _write_frames(connection: ServerConnection, outbox: asyncio.Queue[str 
             return
 
 
+def _offered_subprotocols(request: Request) -> list[Subprotocol]:
+    """The subprotocols a handshake offers (none when the header is malformed)."""
+    offered: list[Subprotocol] = []
+    for value in request.headers.get_all("Sec-WebSocket-Protocol"):
+        try:
+            offered += parse_subprotocol(value)
+        except InvalidHeader:
+            return []
+    return offered
+
+
+def _select_subprotocol(
+    connection: ServerConnection, offered: Sequence[Subprotocol]
+) -> Subprotocol | None:
+    """``orcapod`` when offered: a browser that sent its key as ``bearer.<key>``
+    needs one subprotocol selected, and never the one that holds the key."""
+    return Subprotocol(SUBPROTOCOL) if SUBPROTOCOL in offered else None
+
+
 async def _wait_any(*events: asyncio.Event) -> None:
     """Return once any of ``events`` is set."""
     async with asyncio.TaskGroup() as tasks:
@@ -300,7 +571,3 @@ async def _wait_any(*events: asyncio.Event) -> None:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
-
-
-def _backoff_s(failures: int) -> float:
-    return RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]

@@ -12,19 +12,30 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast, get_args
 
 import msgspec
 import structlog
 
-from gateway.actions import Action, DeadLetter, PostUpstream, SendFrame, ServerFrame
+from gateway.actions import (
+    Action,
+    DeadLetter,
+    FollowLog,
+    LoadLog,
+    PostUpstream,
+    SendFrame,
+    ServerFrame,
+)
 from gateway.request_stream import Completion, EmittedToken, RequestStream, StreamEvent
+from gateway.tenants import Tenant, TokenReservation
 from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from gateway.validation import ModelLimits, RequestValidationError, validate_generate
 from shared.messages import (
     CancelRequest,
+    RequestEnded,
+    RequestRecord,
     RequestRejected,
     SubmitRequest,
     TokenBatch,
@@ -41,10 +52,12 @@ from shared.protocol import (
     Token,
     decode_client_message,
 )
+from shared.request_log import RequestLog
 
 logger = structlog.get_logger(__name__)
 
 ERROR_CODES: frozenset[str] = frozenset(get_args(ErrorCode))
+SHUTTING_DOWN_MESSAGE = "gateway is shutting down, reconnect elsewhere"
 
 
 @dataclass(frozen=True)
@@ -84,15 +97,28 @@ class GatewaySession:
         self._next_socket_id = 0
         # socket id -> (client id -> request id) of its live requests.
         self._sockets: dict[int, dict[str, str]] = {}
+        # socket id -> the tenant its handshake authenticated.
+        self._socket_tenants: dict[int, Tenant] = {}
         # Live and recently finished requests (the latter kept for resume).
         self._streams: dict[str, RequestStream] = {}
         # (finished_at_s, request_id) in finishing order, so expiry is O(1) per request.
         self._finished: deque[tuple[float, str]] = deque()
+        # Set on shutdown: requests in flight go on, new ones are refused.
+        self._draining = False
 
     @property
     def num_sockets(self) -> int:
         """Open sockets."""
         return len(self._sockets)
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests in flight on open sockets (what a graceful shutdown waits for)."""
+        return sum(len(requests) for requests in self._sockets.values())
+
+    def start_draining(self) -> None:
+        """From now on every ``generate`` is refused; requests in flight go on."""
+        self._draining = True
 
     def live_request_ids(self, socket_id: int) -> list[str]:
         """The service's ids of the requests in flight on one socket."""
@@ -104,17 +130,20 @@ class GatewaySession:
 
     # --- sockets ---------------------------------------------------------------------
 
-    def connect(self) -> int:
-        """A socket opened; returns the id the other calls name it by."""
+    def connect(self, tenant: Tenant | None = None) -> int:
+        """A socket of ``tenant`` opened (default: the open tenant of the config);
+        returns the id the other calls name it by."""
         socket_id = self._next_socket_id
         self._next_socket_id += 1
         self._sockets[socket_id] = {}
+        self._socket_tenants[socket_id] = tenant or Tenant(name=self.config.tenant)
         return socket_id
 
     def disconnect(self, socket_id: int) -> list[Action]:
         """A socket closed: cancel its live requests upstream (their log stays for resume)."""
         self._expire()
         requests = self._sockets.pop(socket_id, {})
+        self._socket_tenants.pop(socket_id, None)
         now_s = self._clock()
         actions: list[Action] = []
         for request_id in requests.values():
@@ -122,7 +151,7 @@ class GatewaySession:
             stream.socket_id = None
             stream.cancel(now_s)
             self._retain(stream)
-            actions.append(PostUpstream(CancelRequest(request_id=request_id)))
+            actions.append(_cancel_upstream(stream))
         if requests:
             logger.info("socket closed, requests cancelled", num_requests=len(requests))
         return actions
@@ -160,6 +189,17 @@ class GatewaySession:
             stream.socket_id, "internal", f"could not queue the request: {reason}", stream.client_id
         )
 
+    def on_submit_refused(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:
+        """The shell did not post the SubmitRequest (the tenant's tokens per
+        minute are spent): the accepted request ends in an ``error`` at once."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return []
+        self._forget(stream)
+        if stream.socket_id is None:
+            return []
+        return self._error(stream.socket_id, code, message, stream.client_id)
+
     # --- the gateway's pub/sub channel -------------------------------------------------
 
     def on_gateway_message(self, data: bytes, source: str) -> list[Action]:
@@ -193,7 +233,7 @@ class GatewaySession:
             if stream.socket_id is not None:
                 actions.extend(self._frames(stream.socket_id, stream.client_id, update.events))
             if update.cancel_upstream:
-                actions.append(PostUpstream(CancelRequest(request_id=stream.request_id)))
+                actions.append(_cancel_upstream(stream))
             if stream.finished:
                 self._finish(stream)
         return actions
@@ -216,6 +256,8 @@ class GatewaySession:
     # --- client messages ---------------------------------------------------------------
 
     def _generate(self, socket_id: int, generate: Generate) -> list[Action]:
+        if self._draining:
+            return self._error(socket_id, "queue_full", SHUTTING_DOWN_MESSAGE, generate.id)
         requests = self._sockets[socket_id]
         if generate.id in requests:
             return self._error(
@@ -226,15 +268,34 @@ class GatewaySession:
             )
         # Validation before capacity: a request that can never succeed should not
         # be told to retry later.
+        tenant = self._socket_tenants[socket_id]
+        cap = tenant.max_tokens_per_request
+        if cap is not None and generate.max_tokens > cap:
+            return self._error(
+                socket_id,
+                "invalid_request",
+                f"max_tokens {generate.max_tokens} is over tenant {tenant.name!r}'s limit of {cap}",
+                generate.id,
+            )
         try:
             validated = validate_generate(generate, self._tokenizer, self._limits)
         except RequestValidationError as error:
             return self._error(socket_id, error.code, error.message, generate.id)
+        reservation = _reservation(tenant, len(validated.prompt_ids) + generate.max_tokens)
+        if reservation is not None and reservation.num_tokens > reservation.tokens_per_minute:
+            return self._error(
+                socket_id,
+                "invalid_request",
+                f"prompt plus max_tokens is {reservation.num_tokens} tokens, more than tenant "
+                f"{tenant.name!r}'s tokens-per-minute limit of {reservation.tokens_per_minute}",
+                generate.id,
+            )
         if len(requests) >= self.config.max_requests_per_socket:
             return self._error(socket_id, "queue_full", self._too_many_message(), generate.id)
         request_id = self._new_request_id()
         self._streams[request_id] = RequestStream(
             request_id=request_id,
+            tenant=tenant.name,
             client_id=generate.id,
             socket_id=socket_id,
             num_prompt_tokens=len(validated.prompt_ids),
@@ -247,15 +308,17 @@ class GatewaySession:
         submit = SubmitRequest(
             request_id=request_id,
             gateway_id=self.config.gateway_id,
-            tenant=self.config.tenant,
+            tenant=tenant.name,
             prompt_ids=validated.prompt_ids,
             sampling=validated.sampling,
+            limits=tenant.limits,
         )
         # `accepted` first: a later `error` for the id (submit failed, scheduler
         # refused) then reads as the end of an accepted request, like `done`.
+        record = RequestRecord(submit=submit, client_id=generate.id, stop=list(generate.stop))
         return [
             SendFrame(socket_id, Accepted(id=generate.id, request_id=request_id)),
-            PostUpstream(submit),
+            PostUpstream(submit, log_entry=record, reservation=reservation),
         ]
 
     def _cancel(self, socket_id: int, cancel: Cancel) -> list[Action]:
@@ -270,26 +333,95 @@ class GatewaySession:
         stream = self._streams[request_id]
         completion = stream.cancel(self._clock())
         self._finish(stream)
-        return [
-            PostUpstream(CancelRequest(request_id=request_id)),
-            *self._frames(socket_id, cancel.id, [completion]),
-        ]
+        return [_cancel_upstream(stream), *self._frames(socket_id, cancel.id, [completion])]
 
     def _resume(self, socket_id: int, resume: Resume) -> list[Action]:
         stream = self._streams.get(resume.request_id)
         if stream is None:
-            return self._error(
-                socket_id,
-                "invalid_request",
-                f"unknown request_id {resume.request_id!r} (never here, or finished too long ago)",
-                resume.id,
-            )
+            # Maybe accepted by another gateway (one that died): its log says.
+            return [LoadLog(socket_id, resume.request_id, resume)]
+        if stream.tenant != self._socket_tenants[socket_id].name:
+            # Answered exactly like an unknown id: another tenant's request never shows.
+            return self._unknown_request(socket_id, resume)
         client_id = resume.id if resume.id is not None else stream.original_client_id
         if not stream.finished:
             refusal = self._attach(socket_id, stream, client_id)
             if refusal is not None:
                 return refusal
         return self._frames(socket_id, client_id, stream.replay(resume.after_seq))
+
+    def on_log_loaded(self, socket_id: int, resume: Resume, log: RequestLog | None) -> list[Action]:
+        """The log a ``LoadLog`` asked for (None: there is none): take the request
+        over from the gateway that accepted it and serve the ``resume``."""
+        self._expire()
+        if socket_id not in self._sockets:
+            return []
+        if resume.request_id in self._streams:
+            # Meanwhile known here (two resumes raced): serve it as usual.
+            return self._resume(socket_id, resume)
+        if log is None or log.record.submit.tenant != self._socket_tenants[socket_id].name:
+            return self._unknown_request(socket_id, resume)
+        submit = log.record.submit
+        stream = RequestStream(
+            request_id=submit.request_id,
+            tenant=submit.tenant,
+            client_id=log.record.client_id,
+            socket_id=None,
+            num_prompt_tokens=len(submit.prompt_ids),
+            max_tokens=submit.sampling.max_tokens,
+            detokenizer=IncrementalDetokenizer(self._tokenizer, submit.prompt_ids),
+            stop=log.record.stop,
+            accepted_at_s=self._clock(),
+        )
+        self._streams[stream.request_id] = stream
+        now_s = self._clock()
+        for token in log.sampled_tokens():
+            stream.add(token, now_s)
+        if log.ended_after is not None and not stream.finished:
+            stream.cancel(now_s)
+        if stream.finished:
+            self._retain(stream)
+        logger.info("request taken over from its log", request_id=stream.request_id)
+        actions = self._resume(socket_id, resume)
+        if not stream.finished:
+            actions.append(FollowLog(stream.request_id, log.last_entry_id))
+        return actions
+
+    def on_log_entries(
+        self, request_id: str, entries: Sequence[RequestRecord | TokenBatch | RequestEnded]
+    ) -> list[Action]:
+        """New entries of a request's log (followed, or read again to fill what
+        pub/sub lost while Redis was unreachable); tokens already here are skipped."""
+        self._expire()
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return []
+        actions: list[Action] = []
+        for entry in entries:
+            if isinstance(entry, TokenBatch):
+                tokens = [t for t in entry.tokens if 0 <= t.token_id < self._limits.vocab_size]
+                actions += self._tokens(TokenBatch(worker_id=entry.worker_id, tokens=tokens))
+            elif isinstance(entry, RequestEnded) and not stream.finished:
+                # Another gateway ended it (its client cancelled, or its socket closed).
+                completion = stream.cancel(self._clock())
+                if stream.socket_id is not None:
+                    actions += self._frames(stream.socket_id, stream.client_id, [completion])
+                self._finish(stream)
+            if stream.finished:
+                break
+        return actions
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request still running here."""
+        return [request_id for request_id, s in self._streams.items() if not s.finished]
+
+    def _unknown_request(self, socket_id: int, resume: Resume) -> list[Action]:
+        return self._error(
+            socket_id,
+            "invalid_request",
+            f"unknown request_id {resume.request_id!r} (never accepted, or finished too long ago)",
+            resume.id,
+        )
 
     def _attach(self, socket_id: int, stream: RequestStream, client_id: str) -> list[Action] | None:
         """Move a live request's frames to ``socket_id`` under ``client_id``; None when done."""
@@ -383,5 +515,20 @@ def _is_over_bytes(frame: str, limit: int) -> bool:
 def _probe_client_id(frame: str) -> str | None:
     try:
         return msgspec.json.decode(frame, type=_ClientIdProbe).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # deep nesting
         return None
+
+
+def _reservation(tenant: Tenant, num_tokens: int) -> TokenReservation | None:
+    """What a request takes of its tenant's per-minute budget (None: no budget)."""
+    if tenant.tokens_per_minute is None:
+        return None
+    return TokenReservation(
+        tenant=tenant.name, num_tokens=num_tokens, tokens_per_minute=tenant.tokens_per_minute
+    )
+
+
+def _cancel_upstream(stream: RequestStream) -> PostUpstream:
+    """Tell the scheduler to stop the request, and its log how far the client got."""
+    ended = RequestEnded(request_id=stream.request_id, num_tokens=len(stream.tokens))
+    return PostUpstream(CancelRequest(request_id=stream.request_id), log_entry=ended)

@@ -86,6 +86,15 @@ class RequestLog:
             tokens[-1] = msgspec.structs.replace(tokens[-1], finish_reason=self.finish_reason)
         return tokens
 
+    def as_entries(self) -> list[TokenBatch | RequestEnded]:
+        """The folded log as entries again: its tokens, then its end if it has one."""
+        entries: list[TokenBatch | RequestEnded] = [
+            TokenBatch(worker_id="", tokens=self.sampled_tokens())
+        ]
+        if self.ended_after is not None:
+            entries.append(RequestEnded(request_id=self.request_id, num_tokens=self.ended_after))
+        return entries
+
     def fold(self, entry_id: bytes, entry: RequestRecord | TokenBatch | RequestEnded) -> None:
         """Take one more entry of the log, in log order."""
         self.last_entry_id = entry_id

@@ -7,7 +7,7 @@ import itertools
 import msgspec
 import pytest
 
-from gateway.actions import Action, DeadLetter, PostUpstream, SendFrame
+from gateway.actions import Action, DeadLetter, LoadLog, PostUpstream, SendFrame
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
@@ -197,9 +197,13 @@ def test_finished_requests_are_forgotten_after_the_retention(
     assert session.stream(request_id) is not None
     clock.now_s += session.config.retention_s + 1
     resume = f'{{"type":"resume","request_id":"{request_id}"}}'
-    [error] = frames(session.on_frame(socket_id, resume))
-    assert isinstance(error, Error) and error.code == "invalid_request"
+    # Not known here any more: the shell is asked for the request's log in Redis...
+    [load] = session.on_frame(socket_id, resume)
+    assert isinstance(load, LoadLog) and load.request_id == request_id
     assert session.stream(request_id) is None
+    # ... and when that is gone too, the client is told.
+    [error] = frames(session.on_log_loaded(socket_id, load.resume, None))
+    assert isinstance(error, Error) and error.code == "invalid_request"
 
 
 def test_rejected_request_becomes_an_error_with_a_known_code(session: GatewaySession) -> None:

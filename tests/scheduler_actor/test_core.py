@@ -169,3 +169,16 @@ def test_fair_preempts_and_recomputes_when_blocks_run_out() -> None:
     assert sorted(finished) == ["a", "b"]
     assert sum(item.num_preemptions for item in finished.values()) >= 1
     assert all(item.token_ids == [1000 + i for i in range(12)] for item in finished.values())
+
+
+def test_a_recovered_request_continues_after_the_tokens_already_sent() -> None:
+    """A new scheduler submits a request with the tokens its log holds: the worker
+    prefills prompt + those tokens and the next token has their count as index."""
+    scheduler = Scheduler(SchedulerConfig(policy=PolicyName.FAIR, epoch=2), lambda: 0.0)
+    scheduler.worker_joined("w", num_blocks=64, block_size=16)
+    scheduler.submit("r", "t", [1, 2, 3], SamplingParams(max_tokens=6), generated_ids=[7, 8])
+    plan = scheduler.next_plan("w")
+    assert plan is not None
+    [spec] = plan.new_requests
+    assert spec.num_generated == 2 and spec.num_prompt_tokens == 5
+    assert [chunk.token_ids for chunk in plan.prefill_chunks] == [[1, 2, 3, 7, 8]]

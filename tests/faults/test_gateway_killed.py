@@ -1,0 +1,59 @@
+"""``kill -9`` of a gateway: the client resumes on another one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from websockets.asyncio.client import connect
+
+from tests.faults.cluster import (
+    Cluster,
+    Stream,
+    assert_exactly_once,
+    each_has_tokens,
+    read_into,
+    run_requests,
+    send_requests,
+)
+
+MAX_TOKENS = 24
+
+
+def test_a_client_resumes_on_another_gateway_losing_and_repeating_nothing(
+    cluster: Cluster,
+) -> None:
+    cluster.start_redis()
+    cluster.start_scheduler()
+    cluster.start_worker("w0")
+    cluster.start_gateway("g0")
+    cluster.start_gateway("g1")
+    cluster.wait_ready(["w0"])
+    undisturbed = asyncio.run(run_requests(cluster.ws_url("g1"), MAX_TOKENS))
+    assert_exactly_once(undisturbed, MAX_TOKENS)
+
+    async def disturbed() -> tuple[dict[str, Stream], float]:
+        async with connect(cluster.ws_url("g0")) as socket:
+            streams = await send_requests(socket, MAX_TOKENS)
+            await read_into(socket, streams, time.monotonic() + 60, each_has_tokens(3))
+            killed_at_s = time.monotonic()
+            cluster.kill("g0")
+            # Whatever was already on its way still arrives; then the socket is dead.
+            await read_into(socket, streams, time.monotonic() + 5)
+        async with connect(cluster.ws_url("g1")) as socket:
+            for client_id, stream in streams.items():
+                frame = {"type": "resume", "request_id": stream.request_id, "id": client_id}
+                await socket.send(json.dumps({**frame, "after_seq": stream.last_seq}))
+            await read_into(socket, streams, time.monotonic() + 120)
+        return streams, killed_at_s
+
+    streams, killed_at_s = asyncio.run(disturbed())
+    assert_exactly_once(streams, MAX_TOKENS)
+    for client_id, stream in streams.items():
+        assert stream.text == undisturbed[client_id].text, client_id
+    assert cluster.log_lines("g1", "taken over from its log")
+    print(
+        f"\ngateway kill: {len(streams)} requests resumed on another gateway; all done "
+        f"{max(s.token_times_s[-1] for s in streams.values()) - killed_at_s:.2f} s after the kill"
+    )

@@ -1,0 +1,64 @@
+"""redis-server restarted (append-only file on) while requests run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from websockets.asyncio.client import connect
+
+from tests.faults.cluster import (
+    Cluster,
+    Stream,
+    assert_exactly_once,
+    each_has_tokens,
+    longest_gap_s,
+    read_into,
+    run_requests,
+    send_requests,
+)
+
+MAX_TOKENS = 24
+NO_HANG_S = 90.0
+
+
+def test_every_actor_rides_out_a_redis_restart_and_no_request_hangs(cluster: Cluster) -> None:
+    cluster.start_redis()
+    cluster.start_scheduler()
+    cluster.start_worker("w0")
+    cluster.start_gateway("g0")
+    cluster.wait_ready(["w0"])
+    url = cluster.ws_url("g0")
+    undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
+    assert_exactly_once(undisturbed, MAX_TOKENS)
+
+    async def disturbed() -> tuple[dict[str, Stream], float]:
+        async with connect(url) as socket:
+            streams = await send_requests(socket, MAX_TOKENS)
+            await read_into(socket, streams, time.monotonic() + 60, each_has_tokens(4))
+            restarted_at_s = time.monotonic()
+            cluster.restart_redis()
+            await read_into(socket, streams, time.monotonic() + NO_HANG_S)
+        return streams, restarted_at_s
+
+    streams, restarted_at_s = asyncio.run(disturbed())
+    # None hangs: each ended with `done` or a clear `error`.
+    for stream in streams.values():
+        assert stream.ended, f"{stream.client_id} hangs after {stream.seqs}"
+        if stream.error is not None:
+            assert stream.error["code"] in {"internal", "queue_full"}, stream.error
+    completed = {k: s for k, s in streams.items() if s.done is not None}
+    assert_exactly_once(completed, MAX_TOKENS)
+    for client_id, stream in completed.items():
+        assert stream.text == undisturbed[client_id].text, client_id
+    # Every actor is still the same process, and the service serves new requests.
+    assert all(cluster.processes[name].poll() is None for name in ("scheduler", "w0", "g0"))
+    after = asyncio.run(run_requests(url, 4))
+    assert_exactly_once(after, 4)
+    print(
+        f"\nredis restart: {len(completed)}/{len(streams)} requests completed, "
+        f"{len(streams) - len(completed)} ended in an error; longest pause "
+        f"{longest_gap_s(streams):.2f} s; all ended "
+        f"{max(s.token_times_s[-1] for s in streams.values()) - restarted_at_s:.2f} s "
+        "after the restart began"
+    )

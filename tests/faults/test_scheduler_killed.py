@@ -1,0 +1,92 @@
+"""``kill -9`` of the scheduler: a new one recovers every unfinished request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from websockets.asyncio.client import connect
+
+from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+from shared.redis_streams import send_message
+from tests.faults.cluster import (
+    KEYS,
+    Cluster,
+    assert_exactly_once,
+    each_has_tokens,
+    longest_gap_s,
+    read_into,
+    run_requests,
+    send_requests,
+)
+
+MAX_TOKENS = 24
+
+
+def test_a_restarted_scheduler_recovers_every_request_and_old_plans_are_fenced(
+    cluster: Cluster,
+) -> None:
+    cluster.start_redis()
+    cluster.start_scheduler()
+    cluster.start_worker("w0")
+    cluster.start_gateway("g0")
+    cluster.wait_ready(["w0"])
+    url = cluster.ws_url("g0")
+    undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
+    assert_exactly_once(undisturbed, MAX_TOKENS)
+
+    async def disturbed() -> tuple[dict, float]:
+        async with connect(url) as socket:
+            streams = await send_requests(socket, MAX_TOKENS)
+            await read_into(socket, streams, time.monotonic() + 60, each_has_tokens(4))
+            killed_at_s = time.monotonic()
+            cluster.kill("scheduler")
+            cluster.start_scheduler()
+            await read_into(socket, streams, time.monotonic() + 120)
+        return streams, killed_at_s
+
+    streams, killed_at_s = asyncio.run(disturbed())
+    assert_exactly_once(streams, MAX_TOKENS)
+    for client_id, stream in streams.items():
+        assert stream.text == undisturbed[client_id].text, client_id
+    started = [
+        json.loads(line)
+        for line in cluster.log_lines("scheduler", "scheduler_started").splitlines()
+    ]
+    assert [entry["epoch"] for entry in started] == [1, 2]
+    assert started[1]["num_recovered"] == len(streams)
+    assert cluster.log_lines("w0", "new_epoch", "2")
+
+    # A plan of the dead incarnation (epoch 1) reaching the worker now is never run.
+    client = cluster.redis()
+    num_results = client.xlen(KEYS.results)
+    stale = StepPlan(
+        worker_id="w0",
+        epoch=1,
+        step_index=10_000,
+        new_requests=[RequestSpec("ghost", 3, SamplingParams(max_tokens=2))],
+        prefill_chunks=[PrefillChunk("ghost", [1, 2, 3], 0)],
+    )
+    asyncio.run(_send(cluster, stale))
+    deadline = time.monotonic() + 10
+    while not cluster.log_lines("w0", "stale_plan_skipped"):
+        assert time.monotonic() < deadline, "the stale plan was not skipped"
+        time.sleep(0.1)
+    assert not client.exists(KEYS.request_log("ghost"))
+    assert client.xlen(KEYS.results) == num_results
+    print(
+        f"\nscheduler kill: {len(streams)} requests recovered, "
+        f"longest pause {longest_gap_s(streams):.2f} s; all done "
+        f"{max(s.token_times_s[-1] for s in streams.values()) - killed_at_s:.2f} s after the kill"
+    )
+
+
+async def _send(cluster: Cluster, plan: StepPlan) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(cluster.redis_url)
+    try:
+        await send_message(client, KEYS.plans("w0"), plan)
+    finally:
+        await client.aclose()

@@ -1,0 +1,58 @@
+"""``kill -9`` of a worker in the middle of generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from websockets.asyncio.client import connect
+
+from tests.faults.cluster import (
+    Cluster,
+    assert_exactly_once,
+    each_has_tokens,
+    longest_gap_s,
+    read_into,
+    run_requests,
+    send_requests,
+)
+
+MAX_TOKENS = 24
+
+
+def test_a_killed_workers_requests_finish_on_another_each_token_once(cluster: Cluster) -> None:
+    cluster.start_redis()
+    cluster.start_scheduler()
+    cluster.start_worker("w0")
+    cluster.start_gateway("g0")
+    cluster.wait_ready(["w0"])
+    url = cluster.ws_url("g0")
+    undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
+    assert_exactly_once(undisturbed, MAX_TOKENS)
+    cluster.start_worker("w1")
+    cluster.wait_ready(["w0", "w1"])
+
+    async def disturbed() -> tuple[dict, float]:
+        async with connect(url) as socket:
+            streams = await send_requests(socket, MAX_TOKENS)
+            await read_into(socket, streams, time.monotonic() + 60, each_has_tokens(4))
+            killed_at_s = time.monotonic()
+            cluster.kill("w0")
+            await read_into(socket, streams, time.monotonic() + 120)
+        return streams, killed_at_s
+
+    streams, killed_at_s = asyncio.run(disturbed())
+    assert_exactly_once(streams, MAX_TOKENS)
+    for client_id, stream in streams.items():
+        assert stream.text == undisturbed[client_id].text, client_id
+    [lost] = cluster.log_lines("scheduler", "worker_lost", '"w0"').splitlines()
+    num_requeued = json.loads(lost)["num_requeued"]
+    assert num_requeued >= 1, lost
+    print(
+        f"\nworker kill: {len(streams)} requests, {num_requeued} on the killed worker, "
+        f"{sum(len(s.seqs) for s in streams.values())} tokens; "
+        f"longest pause {longest_gap_s(streams):.2f} s; "
+        f"all done {max(s.token_times_s[-1] for s in streams.values()) - killed_at_s:.2f} s "
+        "after the kill"
+    )
