@@ -28,11 +28,13 @@ from shared.protocol import (
     decode_server_message,
     encode_json,
 )
+from shared.settings import auth_headers, client_api_key
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orcapod chat", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    parser.add_argument("--api-key", help="sent as a Bearer token (default: $ORCAPOD_API_KEY)")
     parser.add_argument("--system", default=None, help="a system message to start with")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.7)
@@ -116,7 +118,8 @@ async def _chat(args: argparse.Namespace) -> int:
         (interrupted if answering else quitting).set()
 
     reader = _LineReader(loop)
-    async with connect(args.url, max_size=None) as socket:
+    headers = auth_headers(client_api_key(args.api_key))
+    async with connect(args.url, max_size=None, additional_headers=headers) as socket:
         print(f"connected to {args.url}. Ctrl-C stops an answer; /reset, /quit or Ctrl-D.")
         loop.add_signal_handler(signal.SIGINT, on_sigint)
         try:

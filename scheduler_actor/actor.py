@@ -40,6 +40,7 @@ from scheduler_actor.core import Scheduler
 from scheduler_actor.errors import (
     DuplicateRequestError,
     InvalidRequestError,
+    QueueFullError,
     RequestTooLargeError,
     SchedulerError,
 )
@@ -308,14 +309,15 @@ class SchedulerActor:
         entry_id: bytes,
         message: SubmitRequest,
         pipe: Pipeline,
-        generated_ids: Sequence[int] = (),
+        generated_ids: Sequence[int] | None = None,
     ) -> None:
-        from scheduler_actor.errors import QueueFullError
-
+        """Give a request to the core (``generated_ids``: recovered, with the
+        tokens already sent), or refuse it on its gateway's channel."""
         self._counters.num_submitted += 1
         code: str | None = None
         reason = ""
-        if self.core.num_waiting >= self.settings.max_waiting:
+        is_recovered = generated_ids is not None
+        if not is_recovered and self.core.num_waiting >= self.settings.max_waiting:
             code, reason = "queue_full", f"more than {self.settings.max_waiting} requests wait"
         else:
             try:
@@ -325,8 +327,9 @@ class SchedulerActor:
                     message.prompt_ids,
                     message.sampling,
                     gateway_id=message.gateway_id,
-                    generated_ids=generated_ids,
+                    generated_ids=generated_ids or (),
                     limits=message.limits,
+                    is_recovered=is_recovered,
                 )
             except RequestTooLargeError as error:
                 code, reason = "prompt_too_long", str(error)

@@ -71,13 +71,16 @@ class Scheduler:
         gateway_id: str = "",
         generated_ids: Sequence[int] = (),
         limits: TenantLimits | None = None,
+        is_recovered: bool = False,
     ) -> None:
         """Accept a request; raises InvalidRequestError, DuplicateRequestError,
         when workers have joined and none could ever hold prompt + max_tokens,
         RequestTooLargeError, and QueueFullError when the tenant already has
         ``limits.max_queued`` requests waiting. ``limits`` become the tenant's
-        weight and quotas from now on (without them, the configured ones stay). ``generated_ids``: tokens already sent to the client
-        (a request recovered by a new scheduler); it continues after them."""
+        weight and quotas from now on (without them, the configured ones stay).
+        ``generated_ids``: tokens already sent to the client (a request
+        recovered by a new scheduler); it continues after them. A recovered
+        request was accepted once already: no queue limit refuses it again."""
         if not prompt_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
         if sampling.max_tokens < 1:
@@ -94,7 +97,7 @@ class Scheduler:
         if limits is not None:
             self.vtc.set_weight(tenant, limits.weight)
             self.tenants.set_limits(tenant, limits)
-        if not self.tenants.can_queue(tenant):
+        if not is_recovered and not self.tenants.can_queue(tenant):
             raise QueueFullError(
                 f"tenant {tenant!r} already has {self.tenants.num_waiting(tenant)} requests "
                 f"waiting (its max_queued is {self.tenants.max_queued(tenant)}); retry later"

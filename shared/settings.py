@@ -6,6 +6,8 @@ Environment variables (each overridable by a command-line flag):
 - ``ORCAPOD_CACHE_DIR``: where prepared models live (default ``~/.cache/orcapod``).
 - ``ORCAPOD_MODEL``: a Hugging Face-format model directory to serve instead of
   the embedded SmolLM2.
+- ``ORCAPOD_TENANTS_FILE``: the gateways' TOML file of tenants and API key
+  hashes (keys may also live in Redis; with none, one open loopback tenant).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def model_location(
 # starting one actor by hand all mean the same thing.
 
 DEFAULT_PREFIX = "orcapod"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 POLICIES = ("fair", "orca", "request")
 
 
@@ -83,6 +86,11 @@ class GatewaySettings:
     max_requests_per_socket: int = 64
     max_tokens_limit: int = 4096
     heartbeat_s: float = 1.0
+    tenants_file: Path | None = None
+    # How often the tenants file (when its mtime changed) and Redis hash are re-read.
+    tenants_reload_s: float = 2.0
+    # On SIGTERM: how long requests in flight may take to finish before sockets close.
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -127,10 +135,29 @@ def redis_settings(
     )
 
 
+def tenants_file(flag: str | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The tenants file: the flag, else ``ORCAPOD_TENANTS_FILE``, else none."""
+    env = os.environ if environ is None else environ
+    chosen = flag or env.get("ORCAPOD_TENANTS_FILE")
+    return Path(chosen).expanduser() if chosen else None
+
+
 def redis_url_from_environment(environ: Mapping[str, str] | None = None) -> str | None:
     """``REDIS_URL`` if set: `orcapod up` starts its own redis-server when it is not."""
     env = os.environ if environ is None else environ
     return env.get("REDIS_URL") or None
+
+
+def client_api_key(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The API key a client (``orcapod chat``, ``orcapod bench``) sends: the
+    flag, else ``ORCAPOD_API_KEY``; None for an open gateway."""
+    env = os.environ if environ is None else environ
+    return flag or env.get("ORCAPOD_API_KEY") or None
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The handshake headers that carry ``api_key`` (none without one)."""
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
 
 def default_instance_id(role: str) -> str:

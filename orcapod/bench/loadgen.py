@@ -27,6 +27,7 @@ from websockets.exceptions import ConnectionClosed
 from orcapod.bench.metrics import RequestRecord
 from orcapod.bench.traces import TraceRequest
 from shared.protocol import Cancel, Done, Error, Token, decode_server_message, encode_json
+from shared.settings import auth_headers
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 CANCEL_WAIT_S = 10.0
@@ -53,6 +54,7 @@ class LoadSettings:
     drain_timeout_s: float = 120.0
     seed: int = 0
     progress: bool = True
+    api_key: str | None = None
 
 
 @dataclass
@@ -133,7 +135,12 @@ class LoadGenerator:
                 return min(open_sockets, key=lambda s: len(s.in_flight))
             if len(self._sockets) < self.settings.max_sockets:
                 try:
-                    connection = await connect(self.settings.url, open_timeout=30, max_queue=None)
+                    connection = await connect(
+                        self.settings.url,
+                        open_timeout=30,
+                        max_queue=None,
+                        additional_headers=auth_headers(self.settings.api_key),
+                    )
                 except OSError as error:
                     raise LoadError(f"cannot connect to {self.settings.url}: {error}") from error
                 socket = _Socket(connection)

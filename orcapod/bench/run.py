@@ -30,6 +30,7 @@ from orcapod.bench.metrics import (
 )
 from orcapod.bench.traces import TRACES, TraceSpec, make_trace
 from shared.keys import RedisKeys
+from shared.settings import client_api_key
 
 QUICK_RATES, QUICK_DURATION_S, QUICK_DRAIN_S = "0.3", 20.0, 30.0
 SETTLE_S = 2.0  # between runs, so cancelled work has left the engine
@@ -154,6 +155,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orcapod bench", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="ws://127.0.0.1:8000/ws", help="a gateway (loopback)")
+    parser.add_argument("--api-key", help="sent as a Bearer token (default: $ORCAPOD_API_KEY)")
     parser.add_argument("--trace", choices=TRACES, default="orca")
     parser.add_argument("--prompt-len", type=int, default=256, help="homogeneous trace")
     parser.add_argument("--max-tokens", type=int, default=64, help="homogeneous/chat traces")
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout or (QUICK_DRAIN_S if args.quick else 120.0),
         seed=args.seed,
         progress=not args.no_progress,
+        api_key=client_api_key(args.api_key),
     )
     stats = StatsReader(args.redis_url, args.prefix) if args.redis_url else None
     try:

@@ -162,11 +162,13 @@ class Cluster:
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=10)
 
-    def restart_redis(self) -> None:
-        """Stop redis-server (it writes its append-only file) and start it again, same port."""
+    def restart_redis(self, down_s: float = 0.0) -> None:
+        """Stop redis-server (it writes its append-only file), wait ``down_s``,
+        and start it again on the same port."""
         process = self.processes["redis"]
         process.terminate()
         process.wait(timeout=10)
+        time.sleep(down_s)
         self.start_redis()
 
     def stop(self) -> dict[str, int | None]:
