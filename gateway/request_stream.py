@@ -53,12 +53,14 @@ class RequestStream:
 
     ``client_id`` and ``socket_id`` say where its frames go; the session moves
     them on a resume. ``socket_id`` is None while no socket is attached.
+    ``tenant`` owns it: only a socket of that tenant may resume it.
     """
 
     def __init__(
         self,
         *,
         request_id: str,
+        tenant: str,
         client_id: str,
         socket_id: int | None,
         num_prompt_tokens: int,
@@ -68,6 +70,7 @@ class RequestStream:
         accepted_at_s: float,
     ) -> None:
         self.request_id = request_id
+        self.tenant = tenant
         # The id of the `generate`; a resume without an id of its own uses it.
         self.original_client_id = client_id
         self.client_id = client_id

@@ -5,6 +5,8 @@ scheduler, N workers and M gateways, each as its own process whose command
 line names its role (``python -m gpu_worker --worker-id worker-0``); gateway
 i listens on port + i. Prints the URLs once a gateway reports healthy.
 Ctrl-C or SIGTERM stops everything in order and leaves no process behind.
+Without any API key (a tenants file, or keys in an external Redis) the
+gateways serve one open tenant, so they may listen on loopback only.
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from types import FrameType
 
+import redis
+from redis.exceptions import RedisError
+
+from gateway.tenants import (
+    TenantConfigError,
+    UnprotectedHostError,
+    is_loopback_host,
+    parse_tenants_toml,
+)
 from orcapod.embedded_redis import EmbeddedRedisError, remove_data, start_embedded_redis
 from orcapod.processes import (
     Child,
@@ -26,15 +38,34 @@ from orcapod.processes import (
     python_module,
     start_child,
     stop_children,
+    stop_together,
 )
-from shared.settings import POLICIES, model_location, redis_url_from_environment
+from shared.keys import RedisKeys
+from shared.settings import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    POLICIES,
+    model_location,
+    redis_settings,
+    redis_url_from_environment,
+    tenants_file,
+)
 
 READY_TIMEOUT_S = 300.0
+GATEWAY_STOP_MARGIN_S = 5.0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orcapod up", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1", help="gateways bind here")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="gateways bind here (beyond loopback only with API keys configured)",
+    )
+    parser.add_argument(
+        "--tenants-file",
+        default=None,
+        help="TOML file of tenants and API key hashes (default: $ORCAPOD_TENANTS_FILE)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port of gateway 0 (i: port + i)")
     parser.add_argument("--policy", choices=POLICIES, default="fair")
     parser.add_argument("--workers", type=int, default=1)
@@ -62,6 +93,36 @@ def _ensure_model(model_arg: str | None) -> str:
     return str(location.model_dir)
 
 
+def exposure_line(host: str, num_keys: int) -> str:
+    """The line ``orcapod up`` prints about API keys; raises UnprotectedHostError
+    when ``host`` reaches beyond loopback and no key is configured."""
+    if num_keys > 0:
+        return f"API keys required ({num_keys} configured)"
+    if not is_loopback_host(host):
+        raise UnprotectedHostError(
+            f"--host {host} without any API key would open the service to anyone; "
+            "configure keys (--tenants-file, or `orcapod tenants add-key` with REDIS_URL) "
+            "or listen on 127.0.0.1"
+        )
+    return "no API keys configured: one open tenant, listening on loopback only"
+
+
+def _num_keys(host: str, tenants_path: Path | None, redis_url: str | None) -> int:
+    """Keys in the tenants file, and (only when it matters: beyond loopback with
+    none in the file) in the Redis hash of an external Redis."""
+    num_keys = 0
+    if tenants_path is not None:
+        try:
+            text = tenants_path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise TenantConfigError(f"cannot read {tenants_path}: {error}") from error
+        num_keys = parse_tenants_toml(text, source=str(tenants_path)).num_keys
+    if num_keys == 0 and redis_url is not None and not is_loopback_host(host):
+        with redis.Redis.from_url(redis_url, socket_timeout=5.0) as client:
+            num_keys = int(client.hlen(RedisKeys(redis_settings().prefix).tenants))
+    return num_keys
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as response:
@@ -76,6 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1 or args.gateways < 1:
         print("orcapod up: --workers and --gateways must be >= 1", file=sys.stderr)
         return 2
+    tenants_path = tenants_file(args.tenants_file)
+    try:
+        num_keys = _num_keys(args.host, tenants_path, redis_url_from_environment())
+        print(exposure_line(args.host, num_keys), flush=True)
+    except TenantConfigError as error:
+        print(f"orcapod up: {error}", file=sys.stderr)
+        return 2
+    except (RedisError, OSError) as error:
+        print(f"orcapod up: cannot count the API keys in Redis: {error}", file=sys.stderr)
+        return 1
+    tenants_args = ["--tenants-file", str(tenants_path)] if tenants_path else []
     stopping = threading.Event()
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
@@ -125,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.port + i),
                 "--model",
                 model_dir,
+                *tenants_args,
             ),
             env,
         )
@@ -172,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             stopping.wait(0.25)
     finally:
         print("stopping...", flush=True)
+        # Gateways first, all at once: each lets its requests in flight finish
+        # (workers still running) for up to its drain timeout.
+        stop_together(gateways, timeout_s=DEFAULT_DRAIN_TIMEOUT_S + GATEWAY_STOP_MARGIN_S)
         stop_children(stop_order)
         if embedded is not None:
             remove_data(embedded)

@@ -24,7 +24,8 @@ class SchedulerConfig:
     ``token_budget`` and ``max_chunk_tokens`` bound the new tokens of one step
     under ``fair``; ``request`` and ``orca`` run whole prompts, as the paper
     does. ``w_in`` / ``w_out`` are VTC's prices of a prompt and a generated
-    token; ``tenant_weights`` divides them (missing tenants weigh 1).
+    token; ``tenant_weights`` divides them (missing tenants weigh 1) until a
+    submit carries the tenant's own weight, which then wins.
     ``overlap`` lets plan k+1 include requests of plan k that are certainly
     still running.
     """

@@ -23,6 +23,10 @@ class RequestTooLargeError(SchedulerError):
     """Prompt plus max_tokens does not fit the whole K/V cache of any worker."""
 
 
+class QueueFullError(SchedulerError):
+    """The tenant already has its ``max_queued`` requests waiting; retry later."""
+
+
 class UnknownWorkerError(SchedulerError, KeyError):
     """An event names a worker that has not joined (or was lost)."""
 

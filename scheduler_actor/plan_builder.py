@@ -9,6 +9,7 @@ then act: ``can_decode``/``decode``, ``num_prefill_fits``/``prefill``,
 from __future__ import annotations
 
 from scheduler_actor.request import Request, RequestStatus
+from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.worker_state import WorkerState
 from shared.messages import PrefillChunk, RequestSpec, StepPlan
 
@@ -26,11 +27,17 @@ class PlanBuilder:
         "scheduled",
         "scheduled_ids",
         "step_index",
+        "tenants",
         "worker",
     )
 
-    def __init__(self, worker: WorkerState, step_index: int, epoch: int) -> None:
+    def __init__(
+        self, worker: WorkerState, step_index: int, epoch: int, tenants: TenantLedger
+    ) -> None:
         self.worker = worker
+        # Told of every placement and preemption at once, so a policy's next
+        # `can_run` in the same step already counts them.
+        self.tenants = tenants
         self.step_index = step_index
         self.epoch = epoch
         self.new_requests: list[RequestSpec] = []
@@ -57,6 +64,7 @@ class PlanBuilder:
         request.worker_id = self.worker.worker_id
         request.context_ids = request.prompt_ids + request.generated_ids
         self.worker.placed[request.request_id] = request
+        self.tenants.placed(request.tenant)
         self.new_requests.append(
             RequestSpec(
                 request_id=request.request_id,
@@ -123,6 +131,7 @@ class PlanBuilder:
         self.released_request_ids.append(request.request_id)
         request.unplace()
         request.num_preemptions += 1
+        self.tenants.unplaced(request.tenant)
 
     def build(self) -> StepPlan | None:
         """The finished plan, or None when nothing runs (releases then wait for

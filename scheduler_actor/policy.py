@@ -8,6 +8,7 @@ from typing import Protocol
 from scheduler_actor.config import PolicyName, SchedulerConfig
 from scheduler_actor.plan_builder import PlanBuilder
 from scheduler_actor.request import Request
+from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
 from scheduler_actor.worker_state import WorkerState
 
@@ -42,7 +43,10 @@ class Policy(Protocol):
 
 
 def make_policy(
-    config: SchedulerConfig, vtc: VirtualTokenCounter, is_preferred: IsPreferred
+    config: SchedulerConfig,
+    vtc: VirtualTokenCounter,
+    tenants: TenantLedger,
+    is_preferred: IsPreferred,
 ) -> Policy:
     """The policy object ``config.policy`` names."""
     # Imported here: each policy module imports this one for the protocol.
@@ -51,7 +55,7 @@ def make_policy(
     from scheduler_actor.policy_request import RequestLevelPolicy
 
     if config.policy is PolicyName.REQUEST:
-        return RequestLevelPolicy(config, is_preferred)
+        return RequestLevelPolicy(config, tenants, is_preferred)
     if config.policy is PolicyName.ORCA:
-        return OrcaPolicy(config, is_preferred)
-    return FairPolicy(config, vtc, is_preferred)
+        return OrcaPolicy(config, tenants, is_preferred)
+    return FairPolicy(config, vtc, tenants, is_preferred)

@@ -7,7 +7,8 @@ already placed, then new admissions, until ``token_budget`` new tokens or
 victim from the tenant with the most service (latest arrival first). A new
 request is admitted only if the free blocks, less what the placed requests
 still need to finish their prompts, hold its whole context: prompts then never
-wait on each other forever, and only decodes ever preempt.
+wait on each other forever, and only decodes ever preempt. A tenant at its
+``max_in_flight`` is passed over at admission; the others are admitted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.plan_builder import PlanBuilder
 from scheduler_actor.policy import IsPreferred
 from scheduler_actor.request import Request, RequestStatus
+from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.tenant_queues import TenantQueues
 from scheduler_actor.vtc import VirtualTokenCounter
 
@@ -26,10 +28,15 @@ class FairPolicy:
     holds_results_until_batch_end = False
 
     def __init__(
-        self, config: SchedulerConfig, vtc: VirtualTokenCounter, is_preferred: IsPreferred
+        self,
+        config: SchedulerConfig,
+        vtc: VirtualTokenCounter,
+        tenants: TenantLedger,
+        is_preferred: IsPreferred,
     ) -> None:
         self._config = config
         self._vtc = vtc
+        self._tenants = tenants
         self._is_preferred = is_preferred
         self._queues = TenantQueues(vtc)
 
@@ -121,12 +128,13 @@ class FairPolicy:
         worker = builder.worker
         ledger = worker.ledger
         queues = self._queues
+        can_run = self._tenants.can_run
         while (
             builder.num_scheduled < config.max_batch_size
             and len(worker.placed) < config.max_batch_size
             and builder.num_new_tokens < config.token_budget
         ):
-            request = queues.peek()
+            request = queues.peek(can_run)
             if request is None or not self._is_preferred(worker, request):
                 return
             num_context_tokens = len(request.prompt_ids) + len(request.generated_ids)

@@ -9,7 +9,8 @@ Already placed requests keep their reservation, so they are still selected
 after admission stops: in the paper's setting every placed request arrived
 before every waiting one, and this is Algorithm 1 exactly; it only differs
 when a lost worker sends an old request back to waiting, where stopping the
-placed ones too could deadlock.
+placed ones too could deadlock. A tenant at its ``max_in_flight`` is passed
+over (its requests wait, the others keep their arrival order).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
             key=_arrival_seq,
         )
         queue = self._queue
+        can_run = self._tenants.can_run
         admitting = True
         index = 0
         while builder.num_scheduled < max_batch_size:
-            head = queue.peek() if admitting else None
+            head = queue.peek(can_run) if admitting else None
             if index < len(placed) and (
                 head is None or placed[index].arrival_seq < head.arrival_seq
             ):

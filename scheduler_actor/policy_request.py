@@ -3,6 +3,7 @@
 A batch of up to ``max_batch_size`` forms only when the worker is idle, each
 member reserving prompt + max_tokens slots; nobody joins; everybody stays (and
 keeps its K/V) until the longest finishes, and results are released then.
+A tenant at its ``max_in_flight`` is passed over when a batch forms.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class RequestLevelPolicy(ArrivalOrderPolicyBase):
     def _form_batch(self, builder: PlanBuilder) -> None:
         queue = self._queue
         while builder.num_scheduled < self._config.max_batch_size:
-            request = queue.peek()
+            request = queue.peek(self._tenants.can_run)
             if request is None or not self._is_preferred(builder.worker, request):
                 return
             if not builder.can_reserve(request.num_max_context_tokens):
