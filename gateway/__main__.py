@@ -1,14 +1,22 @@
-"""``python -m gateway``: run one websocket gateway until SIGINT or SIGTERM."""
+"""``python -m gateway``: run one websocket gateway until SIGINT or SIGTERM.
+
+SIGHUP re-reads the tenants file and hash at once. Exit status 2: a broken
+tenants file, or a non-loopback ``--host`` with no API key configured.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
+import sys
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import structlog
 
 from gateway.server import GatewayServer
+from gateway.tenants import TenantConfigError
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
 from shared.log import configure_logging, run_event_loop, stop_on_signals
@@ -19,6 +27,7 @@ from shared.settings import (
     model_location,
     redis_settings,
     redis_settings_from_args,
+    tenants_file,
 )
 
 DEFAULTS = GatewaySettings(redis=redis_settings(), model=model_location(), gateway_id="")
@@ -39,6 +48,17 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         "--max-requests-per-socket", type=int, default=DEFAULTS.max_requests_per_socket
     )
     parser.add_argument("--max-tokens-limit", type=int, default=DEFAULTS.max_tokens_limit)
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DEFAULTS.drain_timeout_s,
+        help="on SIGTERM, how long requests in flight may take to finish",
+    )
+    parser.add_argument(
+        "--tenants-file",
+        help="TOML file of tenants and API key hashes (default: $ORCAPOD_TENANTS_FILE); "
+        "keys may also be in Redis; with none, the gateway is open and loopback only",
+    )
     args = parser.parse_args(argv)
     return GatewaySettings(
         redis=redis_settings_from_args(args),
@@ -49,6 +69,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         max_frame_bytes=args.max_frame_bytes,
         max_requests_per_socket=args.max_requests_per_socket,
         max_tokens_limit=args.max_tokens_limit,
+        drain_timeout_s=args.drain_timeout_s,
+        tenants_file=tenants_file(args.tenants_file),
     )
 
 
@@ -59,7 +81,9 @@ async def serve_until_signalled(settings: GatewaySettings) -> None:
         settings.model.model_dir, tokenizer.vocab_size, settings.max_tokens_limit
     )
     stop = stop_on_signals()
-    await GatewayServer(settings, tokenizer, limits).run(stop)
+    server = GatewayServer(settings, tokenizer, limits)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.request_tenants_reload)
+    await server.run(stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,7 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "starting gateway",
         redis=f"{redis_address.hostname}:{redis_address.port}",
     )
-    run_event_loop(serve_until_signalled(settings))
+    try:
+        run_event_loop(serve_until_signalled(settings))
+    except TenantConfigError as error:
+        print(f"python -m gateway: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

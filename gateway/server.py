@@ -383,6 +383,12 @@ class GatewayServer:
             )
             if is_submit:
                 await self._apply(self._session.on_submit_failed(message.request_id, str(error)))
+        except Exception as error:
+            # A bug (a message that cannot be encoded, say) ends this request
+            # with an error; it must not take the socket down with it.
+            logger.exception("posting upstream failed", request_id=message.request_id)
+            if is_submit:
+                await self._apply(self._session.on_submit_failed(message.request_id, repr(error)))
 
     async def _reserve_tokens(
         self, reservation: TokenReservation, request_id: str

@@ -55,6 +55,15 @@ class RedisKeys:
         """Hash: service counters (steps, busy time, ...) written by workers."""
         return f"{self.prefix}:stats"
 
+    @property
+    def tenants(self) -> str:
+        """Hash: sha256 hex of an API key -> MessagePack Tenant (gateway/tenants.py)."""
+        return f"{self.prefix}:tenants"
+
+    def tenant_tokens(self, tenant: str, window_index: int) -> str:
+        """Counter with a TTL: tokens a tenant reserved in one 60-s window, all gateways."""
+        return f"{self.prefix}:tpm:{tenant}:{window_index}"
+
     def plans(self, worker_id: str) -> str:
         """Stream: the StepPlans of one worker, in order."""
         return f"{self.prefix}:plans:{worker_id}"

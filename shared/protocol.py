@@ -38,7 +38,8 @@ class Generate(
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Bounded so the SubmitRequest can carry it (MessagePack ints end at 2**64).
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     stop: list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]] = []
     ignore_eos: bool = False
@@ -117,7 +118,11 @@ _json_encoder = msgspec.json.Encoder()
 
 def decode_client_message(frame: str | bytes) -> Generate | Cancel | Resume:
     """Parse a client frame; raises ``msgspec.DecodeError``/``ValidationError`` with the reason."""
-    return _client_decoder.decode(frame)
+    try:
+        return _client_decoder.decode(frame)
+    except RecursionError as error:
+        # msgspec recurses per level of nesting: a frame nested thousands deep is malformed input.
+        raise msgspec.DecodeError("JSON is nested too deeply") from error
 
 
 def decode_server_message(frame: str | bytes) -> Accepted | Token | Done | Error:

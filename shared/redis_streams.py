@@ -164,7 +164,8 @@ async def _decode_entries(
             if data is None:
                 raise ValueError(f"entry has no {MESSAGE_FIELD!r} field")
             message = decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
+        # RecursionError: msgspec's answer to a map nested thousands deep.
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as error:
             await dead_letter(redis, dead_stream, stream, str(error), data or b"")
             await redis.xack(stream, group, entry_id)
             _log.warning(

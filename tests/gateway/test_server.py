@@ -364,8 +364,11 @@ def test_shutdown_closes_sockets_and_cancels_their_requests(
     redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
     async def main() -> None:
-        # Leaving the context stops the gateway and waits until it has stopped.
-        async with running_gateway(redis_server, chat_tokenizer, model_limits) as (server, _):
+        # Leaving the context stops the gateway and waits until it has stopped; the
+        # request still in flight when the drain timeout ends is cancelled.
+        async with running_gateway(
+            redis_server, chat_tokenizer, model_limits, drain_timeout_s=0.2
+        ) as (server, _):
             socket = await connect(server.url)
             request_id = await accept(socket, "a")
         await asyncio.wait_for(socket.wait_closed(), TIMEOUT_S)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
@@ -227,6 +228,29 @@ def test_a_bad_plan_goes_to_dead_with_an_empty_output_and_the_next_plan_runs(red
         plan = decode_worker_message(dead[1][1][b"data"])
         assert isinstance(plan, StepPlan) and plan.step_index == 1
         assert b"nobody" in dead[1][1][b"error"]
+
+    run_worker(redis_server.url, model, scenario)
+
+
+def test_undecodable_plans_go_to_dead_with_a_log_line_and_the_worker_goes_on(redis_server, model):
+    # A map nested deeper than msgspec recurses: decoding raises RecursionError.
+    nested_map = b"\x81\xa1a" * 5_000 + b"\xc0"
+
+    async def scenario(redis: aioredis.Redis, scheduler: Scheduler) -> None:
+        await scheduler.joined()
+        with capture_logs() as logs:
+            await redis.xadd(KEYS.plans(WORKER), {MESSAGE_FIELD: nested_map})
+            await redis.xadd(KEYS.plans(WORKER), {"not_the_message_field": b"x"})
+            await scheduler.send(admit(1))
+            output = await scheduler.result()
+        assert output.step_index == 1 and len(output.tokens) == 2
+        dead = [fields for _, fields in await redis.xrange(KEYS.dead)]
+        assert [fields[b"source"].decode() for fields in dead] == [KEYS.plans(WORKER)] * 2
+        assert [fields[b"data"] for fields in dead] == [nested_map, b""]
+        lines = [log for log in logs if log["event"] == "undecodable_entry"]
+        assert [(log["stream"], log["log_level"]) for log in lines] == [
+            (KEYS.plans(WORKER), "warning")
+        ] * 2
 
     run_worker(redis_server.url, model, scenario)
 

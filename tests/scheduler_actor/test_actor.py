@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from scheduler_actor.actor import SchedulerActor
 from scheduler_actor.cost_model import CostModel
@@ -269,5 +270,38 @@ def test_results_of_unknown_plans_are_ignored(redis_server):
         await submit(redis, "r0")
         plan = await PlanReader(redis, "w1").next()
         assert [spec.request_id for spec in plan.new_requests] == ["r0"]
+
+    run_scenario(redis_server.url, scenario)
+
+
+# A map nested deeper than msgspec recurses: decoding raises RecursionError, not DecodeError.
+NESTED_MAP = b"\x81\xa1a" * 5_000 + b"\xc0"
+
+
+def test_every_stream_dead_letters_what_does_not_decode_with_a_log_line(redis_server):
+    """requests, control and results alike: garbage and a too deeply nested map go to
+    dead with their source, one log line each, and the scheduler keeps planning."""
+    streams = (KEYS.requests, KEYS.control, KEYS.results)
+
+    async def scenario(redis: aioredis.Redis) -> None:
+        with capture_logs() as logs:
+            for stream in streams:
+                await redis.xadd(stream, {MESSAGE_FIELD: b"\xc1 not msgpack"})
+                await redis.xadd(stream, {MESSAGE_FIELD: NESTED_MAP})
+            await wait_for(lambda: _length_at_least(redis, KEYS.dead, 6))
+            await join(redis, "w1")
+            await submit(redis, "r0")
+            plan = await PlanReader(redis, "w1").next()
+        assert [spec.request_id for spec in plan.new_requests] == ["r0"]
+        dead = await redis.xrange(KEYS.dead)
+        assert sorted(fields[b"source"].decode() for _, fields in dead) == sorted(streams * 2)
+        assert sorted(fields[b"data"] for _, fields in dead) == sorted(
+            [b"\xc1 not msgpack", NESTED_MAP] * 3
+        )
+        lines = [log["stream"] for log in logs if log["event"] == "undecodable_entry"]
+        assert sorted(lines) == sorted(streams * 2)
+        assert all(
+            log["log_level"] == "warning" for log in logs if log["event"] == "undecodable_entry"
+        )
 
     run_scenario(redis_server.url, scenario)
