@@ -65,7 +65,7 @@ from shared.redis_streams import (
     reconnect_backoff_s,
     xadd_message,
 )
-from shared.request_log import read_request_log
+from shared.request_log import read_request_logs
 from shared.settings import SchedulerSettings
 
 READ_BLOCK_MS = 100
@@ -199,19 +199,22 @@ class SchedulerActor:
         the logs). Returns the number of requests recovered."""
         redis, dead = self._redis, self.keys.dead
         pipe = self._redis.pipeline(transaction=True)
-        for entry in await read_pending(
+        pending = await read_pending(
             redis, SCHEDULER_GROUP, CONSUMER_NAME, self.keys.requests, decode_control_message, dead
-        ):
-            message = entry.message
-            log = None
-            if isinstance(message, SubmitRequest):
-                log = await read_request_log(redis, self.keys, message.request_id)
-            if not isinstance(message, SubmitRequest) or (log is not None and log.is_finished):
+        )
+        submits: list[tuple[bytes, SubmitRequest]] = []
+        for entry in pending:
+            if isinstance(entry.message, SubmitRequest):
+                submits.append((entry.entry_id, entry.message))
+            else:
                 self._ack(pipe, self.keys.requests, entry.entry_id)
-                continue
-            self._submit(
-                entry.entry_id, message, pipe, generated_ids=[] if log is None else log.token_ids
-            )
+        logs = await read_request_logs(redis, self.keys, [m.request_id for _, m in submits])
+        for (entry_id, message), log in zip(submits, logs, strict=True):
+            if log is not None and log.is_finished:
+                self._ack(pipe, self.keys.requests, entry_id)
+            else:
+                generated_ids = [] if log is None else log.token_ids
+                self._submit(entry_id, message, pipe, generated_ids=generated_ids)
         for entry in await read_pending(
             redis, SCHEDULER_GROUP, CONSUMER_NAME, self.keys.control, decode_control_message, dead
         ):

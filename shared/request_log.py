@@ -19,6 +19,7 @@ it ended, then Redis drops it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -147,9 +148,29 @@ async def read_request_log(
 ) -> RequestLog | None:
     """The whole log of ``request_id`` folded, or None when there is none (never
     logged, expired, or its first entry is not a record)."""
-    raw_entries = cast(RawEntries, await redis.xrange(keys.request_log(request_id)))
+    [log] = await read_request_logs(redis, keys, [request_id])
+    return log
+
+
+async def read_request_logs(
+    redis: aioredis.Redis, keys: RedisKeys, request_ids: Sequence[str], batch_size: int = 256
+) -> list[RequestLog | None]:
+    """``read_request_log`` of many requests, ``batch_size`` per round trip."""
+    logs: list[RequestLog | None] = []
+    for start in range(0, len(request_ids), batch_size):
+        batch = request_ids[start : start + batch_size]
+        pipe = redis.pipeline(transaction=False)
+        for request_id in batch:
+            pipe.xrange(keys.request_log(request_id))
+        replies = await pipe.execute()
+        for request_id, raw_entries in zip(batch, replies, strict=True):
+            logs.append(_fold_log(cast(RawEntries, raw_entries), keys.request_log(request_id)))
+    return logs
+
+
+def _fold_log(raw_entries: RawEntries, source: str) -> RequestLog | None:
     log: RequestLog | None = None
-    for entry_id, entry in decode_entries(raw_entries, keys.request_log(request_id)):
+    for entry_id, entry in decode_entries(raw_entries, source):
         if log is None:
             if not isinstance(entry, RequestRecord):
                 return None

@@ -16,7 +16,9 @@ from scheduler_actor.sim_worker import SimulatedWorker
 from shared.keys import MESSAGE_FIELD, RedisKeys
 from shared.messages import (
     CancelRequest,
+    RequestRecord,
     RequestRejected,
+    SampledToken,
     SamplingParams,
     StepOutput,
     StepPlan,
@@ -27,6 +29,7 @@ from shared.messages import (
     decode_worker_message,
 )
 from shared.redis_streams import connect, send_message
+from shared.request_log import queue_record, queue_tokens
 from shared.settings import RedisSettings, SchedulerSettings
 
 KEYS = RedisKeys("test")
@@ -305,3 +308,51 @@ def test_every_stream_dead_letters_what_does_not_decode_with_a_log_line(redis_se
         )
 
     run_scenario(redis_server.url, scenario)
+
+
+def test_a_new_incarnation_recovers_pending_requests_with_their_logged_tokens(redis_server):
+    """The first scheduler reads three submits and dies without finishing them;
+    the second recovers the two unfinished ones with the tokens their logs hold
+    (recompute from there) and lets go of the one whose log says it ended."""
+
+    async def first(redis: aioredis.Redis) -> None:
+        pipe = redis.pipeline(transaction=True)
+        for number, max_tokens in enumerate((4, 4, 2)):
+            sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            message = SubmitRequest(f"r{number}", GATEWAY, "tenant", [1, 2, 3], sampling)
+            queue_record(pipe, KEYS, RequestRecord(submit=message, client_id=f"c{number}"))
+        await pipe.execute()
+        for number, max_tokens in enumerate((4, 4, 2)):
+            await submit(redis, f"r{number}", num_prompt_tokens=3, max_tokens=max_tokens)
+        # No worker: the requests wait, read but not finished.
+        await wait_for(lambda: _num_pending(redis, 3))
+
+    run_scenario(redis_server.url, first)
+
+    async def second(redis: aioredis.Redis) -> None:
+        # Tokens sent before the crash: two of r0, both of r2 (which is thus finished).
+        pipe = redis.pipeline(transaction=True)
+        for request_id, token_ids in (("r0", [7, 8]), ("r2", [5, 6])):
+            for index, token_id in enumerate(token_ids):
+                queue_tokens(pipe, KEYS, "w-old", SampledToken(request_id, token_id, index))
+        await pipe.execute()
+        await join(redis, "w1")
+        plan = await PlanReader(redis, "w1").next()
+        specs = {spec.request_id: spec for spec in plan.new_requests}
+        assert set(specs) == {"r0", "r1"}
+        assert specs["r0"].num_generated == 2 and specs["r0"].num_prompt_tokens == 5
+        assert specs["r1"].num_generated == 0
+        chunks = {chunk.request_id: chunk.token_ids for chunk in plan.prefill_chunks}
+        assert chunks["r0"] == [1, 2, 3, 7, 8]
+        assert plan.epoch == 2
+        await wait_for(lambda: _num_pending(redis, 2))
+
+    with capture_logs() as logs:
+        run_scenario(redis_server.url, second)
+    [started] = [log for log in logs if log["event"] == "scheduler_started"]
+    assert started["num_recovered"] == 2 and started["epoch"] == 2
+
+
+async def _num_pending(redis: aioredis.Redis, count: int) -> bool:
+    pending = await redis.xpending(KEYS.requests, "scheduler")
+    return bool(pending["pending"] == count)
