@@ -45,11 +45,9 @@ class FcfsQueue:
         self.num_waiting -= 1
 
 
-class ArrivalOrderQueue:
-    """All waiting requests in arrival order, one FcfsQueue per tenant, so the
-    requests of a tenant at its ``max_in_flight`` can be passed over without
-    moving them: ``peek`` takes the earliest head among the tenants that may
-    run more. It scans the backlogged tenants, never the requests."""
+class PerTenantQueues:
+    """One FcfsQueue per backlogged tenant; subclasses choose which head is next
+    (``peek``) and may act when a tenant joins or leaves the backlog."""
 
     __slots__ = ("_queues", "num_waiting")
 
@@ -61,20 +59,10 @@ class ArrivalOrderQueue:
         """Add a waiting request (new, preempted or from a lost worker)."""
         queue = self._queues.get(request.tenant)
         if queue is None:
+            self._tenant_backlogged(request.tenant)
             queue = self._queues[request.tenant] = FcfsQueue()
         queue.push(request)
         self.num_waiting += 1
-
-    def peek(self, can_run: Callable[[str], bool]) -> Request | None:
-        """The earliest waiting request of a tenant that ``can_run``, if any."""
-        best: Request | None = None
-        for tenant, queue in self._queues.items():
-            if not can_run(tenant):
-                continue
-            head = queue.peek()
-            if head is not None and (best is None or head.arrival_seq < best.arrival_seq):
-                best = head
-        return best
 
     def pop(self, request: Request) -> None:
         """Remove ``request``, which ``peek`` just returned."""
@@ -91,6 +79,33 @@ class ArrivalOrderQueue:
         if self._queues[tenant].num_waiting == 0:
             # Entries of cancelled requests still in its heap go with it.
             del self._queues[tenant]
+            self._tenant_left(tenant)
+
+    def _tenant_backlogged(self, tenant: str) -> None:
+        """``tenant`` had nothing waiting and now has a request."""
+
+    def _tenant_left(self, tenant: str) -> None:
+        """``tenant`` has nothing waiting any more."""
+
+
+class ArrivalOrderQueue(PerTenantQueues):
+    """All waiting requests in arrival order, one FcfsQueue per tenant, so the
+    requests of a tenant at its ``max_in_flight`` can be passed over without
+    moving them: ``peek`` takes the earliest head among the tenants that may
+    run more. It scans the backlogged tenants, never the requests."""
+
+    __slots__ = ()
+
+    def peek(self, can_run: Callable[[str], bool]) -> Request | None:
+        """The earliest waiting request of a tenant that ``can_run``, if any."""
+        best: Request | None = None
+        for tenant, queue in self._queues.items():
+            if not can_run(tenant):
+                continue
+            head = queue.peek()
+            if head is not None and (best is None or head.arrival_seq < best.arrival_seq):
+                best = head
+        return best
 
 
 class ArrivalOrderPolicyBase:

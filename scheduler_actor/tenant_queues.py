@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler_actor.fcfs_queue import FcfsQueue
+from scheduler_actor.fcfs_queue import PerTenantQueues
 from scheduler_actor.request import Request
 from scheduler_actor.vtc import VirtualTokenCounter
 
 
-class TenantQueues:
+class TenantQueues(PerTenantQueues):
     """One FCFS queue per backlogged tenant.
 
     The next request comes from the backlogged tenant with the smallest
@@ -20,27 +20,23 @@ class TenantQueues:
     Choosing scans the backlogged tenants, never the requests.
     """
 
-    __slots__ = ("_last_left_counter", "_queues", "_vtc", "num_waiting")
+    __slots__ = ("_last_left_counter", "_vtc")
 
     def __init__(self, vtc: VirtualTokenCounter) -> None:
+        super().__init__()
         self._vtc = vtc
-        self._queues: dict[str, FcfsQueue] = {}
         self._last_left_counter = 0.0
-        self.num_waiting = 0
 
-    def push(self, request: Request) -> None:
-        """Add a waiting request to its tenant's queue."""
-        queue = self._queues.get(request.tenant)
-        if queue is None:
-            floor = (
-                min(self._vtc.counter(tenant) for tenant in self._queues)
-                if self._queues
-                else self._last_left_counter
-            )
-            self._vtc.lift(request.tenant, floor)
-            queue = self._queues[request.tenant] = FcfsQueue()
-        queue.push(request)
-        self.num_waiting += 1
+    def _tenant_backlogged(self, tenant: str) -> None:
+        floor = (
+            min(self._vtc.counter(other) for other in self._queues)
+            if self._queues
+            else self._last_left_counter
+        )
+        self._vtc.lift(tenant, floor)
+
+    def _tenant_left(self, tenant: str) -> None:
+        self._last_left_counter = self._vtc.counter(tenant)
 
     def peek(self, can_run: Callable[[str], bool]) -> Request | None:
         """The head of the backlogged tenant with the smallest counter among
@@ -63,19 +59,3 @@ class TenantQueues:
         for tenant in passed_over:
             self._vtc.lift(tenant, best_counter)
         return self._queues[best].peek()
-
-    def pop(self, request: Request) -> None:
-        """Remove ``request``, which ``peek`` just returned."""
-        self._queues[request.tenant].pop(request)
-        self._after_removal(request.tenant)
-
-    def discard(self, request: Request) -> None:
-        """Forget a waiting request that is being cancelled."""
-        self._queues[request.tenant].discard(request)
-        self._after_removal(request.tenant)
-
-    def _after_removal(self, tenant: str) -> None:
-        self.num_waiting -= 1
-        if self._queues[tenant].num_waiting == 0:
-            del self._queues[tenant]
-            self._last_left_counter = self._vtc.counter(tenant)

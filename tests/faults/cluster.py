@@ -127,6 +127,18 @@ class Cluster:
             log.flush()
             self.processes[name] = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
 
+    def start_service(
+        self, worker_ids: Sequence[str] = ("w0",), gateway_ids: Sequence[str] = ("g0",)
+    ) -> None:
+        """Redis, the scheduler, the workers and the gateways; back once all are ready."""
+        self.start_redis()
+        self.start_scheduler()
+        for worker_id in worker_ids:
+            self.start_worker(worker_id)
+        for gateway_id in gateway_ids:
+            self.start_gateway(gateway_id)
+        self.wait_ready(worker_ids)
+
     # --- waiting -----------------------------------------------------------------------
 
     def wait_ready(self, worker_ids: Sequence[str] = ()) -> None:
@@ -314,6 +326,17 @@ async def run_requests(url: str, max_tokens: int, timeout_s: float = 120.0) -> d
         streams = await send_requests(socket, max_tokens)
         await read_into(socket, streams, time.monotonic() + timeout_s)
     return streams
+
+
+def assert_same_texts(streams: dict[str, Stream], reference: dict[str, Stream]) -> None:
+    """Each request's text equals the reference run's (greedy: the undisturbed one)."""
+    for client_id, stream in streams.items():
+        assert stream.text == reference[client_id].text, client_id
+
+
+def seconds_to_last_token(streams: dict[str, Stream], since_s: float) -> float:
+    """From ``since_s`` (the fault) to the last token of any request."""
+    return max(stream.token_times_s[-1] for stream in streams.values()) - since_s
 
 
 def longest_gap_s(streams: dict[str, Stream]) -> float:

@@ -12,9 +12,11 @@ from tests.faults.cluster import (
     Cluster,
     Stream,
     assert_exactly_once,
+    assert_same_texts,
     each_has_tokens,
     read_into,
     run_requests,
+    seconds_to_last_token,
     send_requests,
 )
 
@@ -24,12 +26,7 @@ MAX_TOKENS = 24
 def test_a_client_resumes_on_another_gateway_losing_and_repeating_nothing(
     cluster: Cluster,
 ) -> None:
-    cluster.start_redis()
-    cluster.start_scheduler()
-    cluster.start_worker("w0")
-    cluster.start_gateway("g0")
-    cluster.start_gateway("g1")
-    cluster.wait_ready(["w0"])
+    cluster.start_service(gateway_ids=("g0", "g1"))
     undisturbed = asyncio.run(run_requests(cluster.ws_url("g1"), MAX_TOKENS))
     assert_exactly_once(undisturbed, MAX_TOKENS)
 
@@ -50,10 +47,9 @@ def test_a_client_resumes_on_another_gateway_losing_and_repeating_nothing(
 
     streams, killed_at_s = asyncio.run(disturbed())
     assert_exactly_once(streams, MAX_TOKENS)
-    for client_id, stream in streams.items():
-        assert stream.text == undisturbed[client_id].text, client_id
+    assert_same_texts(streams, undisturbed)
     assert cluster.log_lines("g1", "taken over from its log")
     print(
         f"\ngateway kill: {len(streams)} requests resumed on another gateway; all done "
-        f"{max(s.token_times_s[-1] for s in streams.values()) - killed_at_s:.2f} s after the kill"
+        f"{seconds_to_last_token(streams, killed_at_s):.2f} s after the kill"
     )

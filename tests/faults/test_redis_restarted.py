@@ -12,11 +12,13 @@ from tests.faults.cluster import (
     Cluster,
     Stream,
     assert_exactly_once,
+    assert_same_texts,
     each_has_tokens,
     generate_frame,
     longest_gap_s,
     read_into,
     run_requests,
+    seconds_to_last_token,
     send_requests,
 )
 
@@ -25,11 +27,7 @@ NO_HANG_S = 90.0
 
 
 def test_every_actor_rides_out_a_redis_restart_and_no_request_hangs(cluster: Cluster) -> None:
-    cluster.start_redis()
-    cluster.start_scheduler()
-    cluster.start_worker("w0")
-    cluster.start_gateway("g0")
-    cluster.wait_ready(["w0"])
+    cluster.start_service()
     url = cluster.ws_url("g0")
     undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
     assert_exactly_once(undisturbed, MAX_TOKENS)
@@ -51,8 +49,7 @@ def test_every_actor_rides_out_a_redis_restart_and_no_request_hangs(cluster: Clu
             assert stream.error["code"] in {"internal", "queue_full"}, stream.error
     completed = {k: s for k, s in streams.items() if s.done is not None}
     assert_exactly_once(completed, MAX_TOKENS)
-    for client_id, stream in completed.items():
-        assert stream.text == undisturbed[client_id].text, client_id
+    assert_same_texts(completed, undisturbed)
     # Every actor is still the same process, and the service serves new requests.
     assert all(cluster.processes[name].poll() is None for name in ("scheduler", "w0", "g0"))
     after = asyncio.run(run_requests(url, 4))
@@ -61,7 +58,7 @@ def test_every_actor_rides_out_a_redis_restart_and_no_request_hangs(cluster: Clu
         f"\nredis restart: {len(completed)}/{len(streams)} requests completed, "
         f"{len(streams) - len(completed)} ended in an error; longest pause "
         f"{longest_gap_s(streams):.2f} s; all ended "
-        f"{max(s.token_times_s[-1] for s in streams.values()) - restarted_at_s:.2f} s "
+        f"{seconds_to_last_token(streams, restarted_at_s):.2f} s "
         "after the restart began"
     )
 
@@ -75,11 +72,7 @@ def test_a_long_redis_outage_ends_new_requests_in_an_error_and_the_service_comes
     """Redis away for longer than the clients' retries (about 9 s): a request
     sent meanwhile gets a clear `error`, those in flight end (done or error),
     and once Redis is back the same processes serve again."""
-    cluster.start_redis()
-    cluster.start_scheduler()
-    cluster.start_worker("w0")
-    cluster.start_gateway("g0")
-    cluster.wait_ready(["w0"])
+    cluster.start_service()
     url = cluster.ws_url("g0")
 
     async def disturbed() -> tuple[dict[str, Stream], dict[str, Stream], float]:
@@ -113,6 +106,6 @@ def test_a_long_redis_outage_ends_new_requests_in_an_error_and_the_service_comes
         f"\nredis outage {OUTAGE_S:.0f} s: in flight {completed}/{len(streams)} completed; "
         f"request sent during the outage: "
         f"{'error ' + late_stream.error['message'][:60] if late_stream.error else 'completed'}; "
-        f"all ended {max(s.token_times_s[-1] for s in streams.values()) - stopped_at_s:.1f} s "
+        f"all ended {seconds_to_last_token(streams, stopped_at_s):.1f} s "
         "after Redis stopped"
     )

@@ -14,10 +14,12 @@ from tests.faults.cluster import (
     KEYS,
     Cluster,
     assert_exactly_once,
+    assert_same_texts,
     each_has_tokens,
     longest_gap_s,
     read_into,
     run_requests,
+    seconds_to_last_token,
     send_requests,
 )
 
@@ -27,11 +29,7 @@ MAX_TOKENS = 24
 def test_a_restarted_scheduler_recovers_every_request_and_old_plans_are_fenced(
     cluster: Cluster,
 ) -> None:
-    cluster.start_redis()
-    cluster.start_scheduler()
-    cluster.start_worker("w0")
-    cluster.start_gateway("g0")
-    cluster.wait_ready(["w0"])
+    cluster.start_service()
     url = cluster.ws_url("g0")
     undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
     assert_exactly_once(undisturbed, MAX_TOKENS)
@@ -48,8 +46,7 @@ def test_a_restarted_scheduler_recovers_every_request_and_old_plans_are_fenced(
 
     streams, killed_at_s = asyncio.run(disturbed())
     assert_exactly_once(streams, MAX_TOKENS)
-    for client_id, stream in streams.items():
-        assert stream.text == undisturbed[client_id].text, client_id
+    assert_same_texts(streams, undisturbed)
     started = [
         json.loads(line)
         for line in cluster.log_lines("scheduler", "scheduler_started").splitlines()
@@ -78,7 +75,7 @@ def test_a_restarted_scheduler_recovers_every_request_and_old_plans_are_fenced(
     print(
         f"\nscheduler kill: {len(streams)} requests recovered, "
         f"longest pause {longest_gap_s(streams):.2f} s; all done "
-        f"{max(s.token_times_s[-1] for s in streams.values()) - killed_at_s:.2f} s after the kill"
+        f"{seconds_to_last_token(streams, killed_at_s):.2f} s after the kill"
     )
 
 

@@ -11,10 +11,12 @@ from websockets.asyncio.client import connect
 from tests.faults.cluster import (
     Cluster,
     assert_exactly_once,
+    assert_same_texts,
     each_has_tokens,
     longest_gap_s,
     read_into,
     run_requests,
+    seconds_to_last_token,
     send_requests,
 )
 
@@ -22,11 +24,7 @@ MAX_TOKENS = 24
 
 
 def test_a_killed_workers_requests_finish_on_another_each_token_once(cluster: Cluster) -> None:
-    cluster.start_redis()
-    cluster.start_scheduler()
-    cluster.start_worker("w0")
-    cluster.start_gateway("g0")
-    cluster.wait_ready(["w0"])
+    cluster.start_service()
     url = cluster.ws_url("g0")
     undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
     assert_exactly_once(undisturbed, MAX_TOKENS)
@@ -44,8 +42,7 @@ def test_a_killed_workers_requests_finish_on_another_each_token_once(cluster: Cl
 
     streams, killed_at_s = asyncio.run(disturbed())
     assert_exactly_once(streams, MAX_TOKENS)
-    for client_id, stream in streams.items():
-        assert stream.text == undisturbed[client_id].text, client_id
+    assert_same_texts(streams, undisturbed)
     [lost] = cluster.log_lines("scheduler", "worker_lost", '"w0"').splitlines()
     num_requeued = json.loads(lost)["num_requeued"]
     assert num_requeued >= 1, lost
@@ -53,6 +50,6 @@ def test_a_killed_workers_requests_finish_on_another_each_token_once(cluster: Cl
         f"\nworker kill: {len(streams)} requests, {num_requeued} on the killed worker, "
         f"{sum(len(s.seqs) for s in streams.values())} tokens; "
         f"longest pause {longest_gap_s(streams):.2f} s; "
-        f"all done {max(s.token_times_s[-1] for s in streams.values()) - killed_at_s:.2f} s "
+        f"all done {seconds_to_last_token(streams, killed_at_s):.2f} s "
         "after the kill"
     )
