@@ -3,7 +3,7 @@
 # and stops it again; results land in bench/results/.
 PYTHON ?= .venv/bin/python
 
-.PHONY: bench bench-quick bench-compare bench-capacity
+.PHONY: bench bench-quick bench-compare bench-capacity soak soak-quick
 
 bench: bench-compare bench-capacity
 
@@ -15,3 +15,10 @@ bench-capacity:
 
 bench-quick:
 	$(PYTHON) -m orcapod bench compare --quick --no-progress --out bench/results/compare-quick
+
+# 1,000 clients on one gateway, then a 300 s soak sampling RSS and fds (docs/benchmarks.md, "Soak").
+soak:
+	$(PYTHON) bench/soak.py
+
+soak-quick:
+	$(PYTHON) bench/soak.py --duration-s 20 --clients 100 --out bench/results/soak-quick

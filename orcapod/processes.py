@@ -45,6 +45,9 @@ def start_child(name: str, argv: list[str], env: Mapping[str, str] | None = None
         argv,
         env=dict(env) if env is not None else None,
         preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        # Its own process group: Ctrl-C in the terminal reaches only the launcher,
+        # which stops the children in order (a gateway drains while workers run).
+        process_group=0,
     )
     return Child(name=name, process=process)
 
@@ -71,6 +74,25 @@ def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:
             deadline = time.monotonic() + timeout_s
             while child.process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
+        if child.process.poll() is None:
+            child.process.kill()
+            child.process.wait()
+
+
+def stop_together(children: list[Child], timeout_s: float) -> None:
+    """SIGTERM every child at once, wait up to ``timeout_s`` for all; SIGKILL stragglers.
+
+    For peers that drain in parallel (gateways finishing their requests).
+    """
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while any(child.process.poll() is None for child in children):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for child in children:
         if child.process.poll() is None:
             child.process.kill()
             child.process.wait()
