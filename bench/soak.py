@@ -60,7 +60,6 @@ from orcapod.bench.soak_samples import (
 )
 from shared.keys import RedisKeys
 from shared.protocol import Done, Error, Token, decode_server_message
-from shared.request_log import RETENTION_S
 
 OPEN_CONCURRENCY = 50
 CHURN_EVERY = 10
@@ -348,7 +347,7 @@ def report(
         },
         "redis_keys": {
             **redis_keys,
-            "request_log_retention_s": RETENTION_S,
+            "request_log_retention_s": args.log_retention_s,
             "census": [asdict(sample) for sample in sampler.census],
         },
         "checks": checks,
@@ -388,7 +387,7 @@ def print_table(document: dict, growths: dict[str, Growth], checks: dict[str, bo
     print(
         f"redis: {keys['keys_start']} -> {keys['keys_end']} keys, of which request logs "
         f"{keys['request_logs_start']} -> {keys['request_logs_end']} (each kept "
-        f"{RETENTION_S} s after its request ends) and without a TTL "
+        f"{keys['request_log_retention_s']} s after its request ends) and without a TTL "
         f"{keys['keys_without_ttl_start']} -> {keys['keys_without_ttl_end']}; used_memory "
         f"{keys['used_memory_start_kib'] / 1024:.1f} -> "
         f"{keys['used_memory_end_kib'] / 1024:.1f} MiB"
@@ -406,7 +405,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration-s", type=float, default=300.0, help="length of the soak")
     parser.add_argument("--rate", type=float, default=2.0, help="soak requests per second")
     parser.add_argument("--max-tokens", type=int, default=8, help="4 to this many (<= 8)")
-    parser.add_argument("--warmup-s", type=float, default=30.0, help="RSS baseline after this")
+    parser.add_argument(
+        "--log-retention-s",
+        type=int,
+        default=60,
+        help="how long the service keeps a finished request's log (its default is 600 s; "
+        "shorter here so Redis reaches its steady size within the warm-up)",
+    )
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="RSS baseline after this (default: the log retention + 30 s)",
+    )
     parser.add_argument("--sample-every-s", type=float, default=5.0)
     parser.add_argument("--burst-deadline-s", type=float, default=300.0)
     parser.add_argument("--drain-s", type=float, default=120.0, help="answers after the soak")
@@ -420,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.clients <= 5000 or not 4 <= args.max_tokens <= 8 or args.rate <= 0:
         print("soak: --clients 1..5000, --max-tokens 4..8, --rate > 0", file=sys.stderr)
         return 2
+    if args.warmup_s is None:
+        args.warmup_s = args.log_retention_s + 30.0
     if args.warmup_s + 2 * args.sample_every_s > args.duration_s:
         # A quick run still needs two samples after its warm-up.
         args.warmup_s = max(0.0, args.duration_s / 3)
@@ -432,7 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     with (
         benchmark_redis() as redis,
-        orcapod_up(redis.url, "fair", args.out / "up.log", up_args) as url,
+        orcapod_up(
+            redis.url,
+            "fair",
+            args.out / "up.log",
+            up_args,
+            {"ORCAPOD_LOG_RETENTION_S": str(args.log_retention_s)},
+        ) as url,
     ):
         check_loopback(url)
         port = urlsplit(url).port

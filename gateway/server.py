@@ -371,7 +371,7 @@ class GatewayServer:
             if isinstance(action.log_entry, RequestRecord):
                 queue_record(pipe, self._keys, action.log_entry)
             elif action.log_entry is not None:
-                queue_end(pipe, self._keys, action.log_entry)
+                queue_end(pipe, self._keys, action.log_entry, self.settings.redis.log_retention_s)
             pipe.xadd(stream, {MESSAGE_FIELD: encode(message)})
             await pipe.execute()
         except (RedisError, OSError) as error:

@@ -331,7 +331,9 @@ class WorkerActor:
         output = item.output
         if output is not None:
             for token in output.tokens:
-                queue_tokens(pipe, self.keys, self.worker_id, token)
+                queue_tokens(
+                    pipe, self.keys, self.worker_id, token, self.settings.redis.log_retention_s
+                )
             xadd_message(pipe, self.keys.results, output, maxlen=RESULT_STREAM_MAXLEN)
             if output.num_new_tokens:
                 pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)

@@ -13,8 +13,8 @@ a request itself (cancel, closed socket, stop string) appends a
 - a new scheduler recovers the tokens already sent, so it recomputes from
   prompt + those tokens and the client sees each token once.
 
-The log lives ``LIVE_TTL_S`` while its request runs and ``RETENTION_S`` once
-it ended, then Redis drops it.
+The log lives ``LIVE_TTL_S`` while its request runs and ``retention_s``
+(``RedisSettings.log_retention_s``) once it ended, then Redis drops it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ from shared.messages import (
 
 # Long enough for any request to wait and run; a log whose request vanished goes eventually.
 LIVE_TTL_S = 24 * 3600
-# How long a client may come back for a finished request's stream.
-RETENTION_S = 600
 
 # XRANGE / XREAD entries as redis-py returns them (bytes: replies are not decoded).
 RawEntries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -125,22 +123,24 @@ def queue_record(pipe: Pipeline, keys: RedisKeys, record: RequestRecord) -> None
     pipe.expire(log_key, LIVE_TTL_S)
 
 
-def queue_tokens(pipe: Pipeline, keys: RedisKeys, worker_id: str, token: SampledToken) -> None:
+def queue_tokens(
+    pipe: Pipeline, keys: RedisKeys, worker_id: str, token: SampledToken, retention_s: int
+) -> None:
     """Append one sent token to its request's log; the log of a finished request
-    is kept ``RETENTION_S`` from its last token. A log that is gone (expired, or
+    is kept ``retention_s`` from its last token. A log that is gone (expired, or
     a request no gateway logged) is not created again."""
     log_key = keys.request_log(token.request_id)
     batch = TokenBatch(worker_id=worker_id, tokens=[token])
     pipe.xadd(log_key, {MESSAGE_FIELD: encode(batch)}, nomkstream=True)
     if token.finish_reason is not None:
-        pipe.expire(log_key, RETENTION_S)
+        pipe.expire(log_key, retention_s)
 
 
-def queue_end(pipe: Pipeline, keys: RedisKeys, ended: RequestEnded) -> None:
-    """Record that a gateway ended the request itself; the log goes after ``RETENTION_S``."""
+def queue_end(pipe: Pipeline, keys: RedisKeys, ended: RequestEnded, retention_s: int) -> None:
+    """Record that a gateway ended the request itself; the log goes after ``retention_s``."""
     log_key = keys.request_log(ended.request_id)
     pipe.xadd(log_key, {MESSAGE_FIELD: encode(ended)}, nomkstream=True)
-    pipe.expire(log_key, RETENTION_S)
+    pipe.expire(log_key, retention_s)
 
 
 async def read_request_log(

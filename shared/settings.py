@@ -61,6 +61,7 @@ def model_location(
 # starting one actor by hand all mean the same thing.
 
 DEFAULT_PREFIX = "orcapod"
+DEFAULT_LOG_RETENTION_S = 600
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 POLICIES = ("fair", "orca", "request")
 
@@ -71,6 +72,9 @@ class RedisSettings:
 
     url: str
     prefix: str = DEFAULT_PREFIX
+    # How long a request's log stays after the request ends: the window in
+    # which a client may `resume` it on any gateway.
+    log_retention_s: int = DEFAULT_LOG_RETENTION_S
 
 
 @dataclass(frozen=True)
@@ -125,13 +129,21 @@ class WorkerSettings:
 
 
 def redis_settings(
-    url: str | None = None, prefix: str | None = None, environ: Mapping[str, str] | None = None
+    url: str | None = None,
+    prefix: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    log_retention_s: int | None = None,
 ) -> RedisSettings:
-    """Flags first, then ``REDIS_URL`` / ``ORCAPOD_PREFIX``, then localhost."""
+    """Flags first, then ``REDIS_URL`` / ``ORCAPOD_PREFIX`` /
+    ``ORCAPOD_LOG_RETENTION_S``, then localhost and the defaults."""
     env = os.environ if environ is None else environ
+    retention = log_retention_s or int(env.get("ORCAPOD_LOG_RETENTION_S") or 0)
+    if retention < 0:
+        raise ValueError(f"the log retention must be positive, got {retention} s")
     return RedisSettings(
         url=url or env.get("REDIS_URL") or "redis://127.0.0.1:6379/0",
         prefix=prefix or env.get("ORCAPOD_PREFIX") or DEFAULT_PREFIX,
+        log_retention_s=retention or DEFAULT_LOG_RETENTION_S,
     )
 
 
@@ -169,8 +181,16 @@ def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--redis-url`` and ``--prefix`` flags every actor takes."""
     parser.add_argument("--redis-url", help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
     parser.add_argument("--prefix", help="Redis key prefix (default: $ORCAPOD_PREFIX or orcapod)")
+    parser.add_argument(
+        "--log-retention-s",
+        type=int,
+        help="how long a finished request can be resumed on any gateway "
+        f"(default: $ORCAPOD_LOG_RETENTION_S or {DEFAULT_LOG_RETENTION_S})",
+    )
 
 
 def redis_settings_from_args(args: argparse.Namespace) -> RedisSettings:
     """RedisSettings from the flags of ``add_redis_arguments``, then the environment."""
-    return redis_settings(url=args.redis_url, prefix=args.prefix)
+    return redis_settings(
+        url=args.redis_url, prefix=args.prefix, log_retention_s=args.log_retention_s
+    )

@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -82,16 +82,21 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 @contextmanager
 def orcapod_up(
-    redis_url: str, policy: str, log_path: Path, up_args: Sequence[str] = ()
+    redis_url: str,
+    policy: str,
+    log_path: Path,
+    up_args: Sequence[str] = (),
+    environment: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
-    """``orcapod up --policy POLICY`` on a free loopback port; yields the websocket URL."""
+    """``orcapod up --policy POLICY`` on a free loopback port (``environment``:
+    more variables for every actor); yields the websocket URL."""
     port = free_loopback_port()
     argv = [sys.executable, "-m", "orcapod", "up", "--port", str(port), "--policy", policy]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [*argv, *up_args],
-            env=environment_with(REDIS_URL=redis_url),
+            env=environment_with(REDIS_URL=redis_url, **(environment or {})),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -121,7 +121,7 @@ def test_resume_of_a_request_only_another_gateway_knew_reads_its_log(
         pipe = upstream.redis.pipeline(transaction=True)
         queue_record(pipe, KEYS, other)
         for token in tokens[:2]:
-            queue_tokens(pipe, KEYS, "w0", token)
+            queue_tokens(pipe, KEYS, "w0", token, 600)
         await pipe.execute()
         async with connect(server.url) as socket:
             await send(socket, type="resume", request_id="r-elsewhere", after_seq=0)
@@ -130,7 +130,7 @@ def test_resume_of_a_request_only_another_gateway_knew_reads_its_log(
             # The rest arrives while the gateway follows the log.
             pipe = upstream.redis.pipeline(transaction=True)
             for token in tokens[2:]:
-                queue_tokens(pipe, KEYS, "w0", token)
+                queue_tokens(pipe, KEYS, "w0", token, 600)
             await pipe.execute()
             rest, done = await receive_until_done(socket)
             assert [t.seq for t in rest] == list(range(2, len(tokens)))

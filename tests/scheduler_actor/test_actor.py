@@ -334,7 +334,7 @@ def test_a_new_incarnation_recovers_pending_requests_with_their_logged_tokens(re
         pipe = redis.pipeline(transaction=True)
         for request_id, token_ids in (("r0", [7, 8]), ("r2", [5, 6])):
             for index, token_id in enumerate(token_ids):
-                queue_tokens(pipe, KEYS, "w-old", SampledToken(request_id, token_id, index))
+                queue_tokens(pipe, KEYS, "w-old", SampledToken(request_id, token_id, index), 600)
         await pipe.execute()
         await join(redis, "w1")
         plan = await PlanReader(redis, "w1").next()
