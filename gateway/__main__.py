@@ -19,7 +19,7 @@ from gateway.server import GatewayServer
 from gateway.tenants import TenantConfigError
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
-from shared.log import configure_logging, run_event_loop, stop_on_signals
+from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.settings import (
     GatewaySettings,
     add_redis_arguments,
@@ -99,11 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         redis=f"{redis_address.hostname}:{redis_address.port}",
     )
     try:
-        run_event_loop(serve_until_signalled(settings))
+        return run_actor("python -m gateway", serve_until_signalled(settings))
     except TenantConfigError as error:
         print(f"python -m gateway: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidHeader
 from websockets.frames import CloseCode
@@ -281,6 +281,8 @@ class GatewayServer:
                         await pubsub.subscribe(channel)
                         needs_subscribe = False
                     message = await pubsub.get_message(timeout=POLL_S)
+                except AuthenticationError:
+                    raise  # a wrong password stays wrong: no retry helps
                 except (RedisError, OSError) as error:
                     # A fresh subscription on a fresh connection: redis-py's own
                     # reconnect of a broken pub/sub connection can keep failing
@@ -423,6 +425,8 @@ class GatewayServer:
             try:
                 await self._tenants.load()
                 break
+            except AuthenticationError:
+                raise  # a wrong password stays wrong: no retry helps
             except (RedisError, OSError) as error:
                 logger.warning("cannot read the tenants hash yet", error=str(error))
             try:

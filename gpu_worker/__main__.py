@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
-from shared.log import configure_logging, run_event_loop, stop_on_signals
+from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.redis_streams import connect
 from shared.settings import (
     WorkerSettings,
@@ -94,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = configure_logging("worker")
     log.info("loading_model", model_dir=str(settings.model.model_dir), worker_id=settings.worker_id)
     engine = build_engine(settings)
-    run_event_loop(serve(settings, engine))
-    return 0
+    return run_actor("python -m gpu_worker", serve(settings, engine))
 
 
 if __name__ == "__main__":

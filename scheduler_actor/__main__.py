@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from scheduler_actor.actor import SchedulerActor
-from shared.log import configure_logging, run_event_loop, stop_on_signals
+from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.redis_streams import connect
 from shared.settings import (
     POLICIES,
@@ -55,8 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; exit status 0 after a clean shutdown."""
     settings = parse_settings(argv)
     configure_logging("scheduler")
-    run_event_loop(serve(settings))
-    return 0
+    return run_actor("python -m scheduler_actor", serve(settings))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 
 from scheduler_actor.config import PolicyName, SchedulerConfig
 from scheduler_actor.core import Scheduler
@@ -180,6 +180,8 @@ class SchedulerActor:
                     failures = 0
                     while not stop.is_set():
                         await self.turn()
+                except AuthenticationError:
+                    raise  # a wrong password stays wrong: no retry helps
                 except RedisRestartedError:
                     _log.warning("redis_restarted", epoch=self._epoch)
                 except (RedisError, OSError) as error:

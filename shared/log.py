@@ -17,6 +17,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import structlog
+from redis.exceptions import AuthenticationError
 
 T = TypeVar("T")
 
@@ -54,6 +55,24 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def run_actor(program: str, main: Coroutine[Any, Any, None]) -> int:
+    """Run an actor's ``main`` to its end; its exit status: 0, or 2 when Redis
+    refused the login (no retry can help: the URL's user or password is wrong)."""
+    refused: BaseException | None = None
+    try:
+        run_event_loop(main)
+    except* AuthenticationError as group:
+        refused = group.exceptions[0]
+    if refused is None:
+        return 0
+    print(
+        f"{program}: Redis refused the login ({refused}); "
+        "check the user and password of REDIS_URL / --redis-url",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def stop_on_signals() -> asyncio.Event:

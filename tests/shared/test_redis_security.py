@@ -215,27 +215,28 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def test_scheduler_with_a_wrong_password_says_so_without_the_password(password_redis, tmp_path):
-    """Whether it exits or keeps retrying, the scheduler names the refused login."""
-    log_path = tmp_path / "scheduler.log"
+@pytest.mark.parametrize("module", ["scheduler_actor", "gateway"])
+def test_an_actor_with_a_wrong_password_exits_2_saying_so_without_the_password(
+    module, password_redis, prepared_model_dir, tmp_path
+):
+    """A refused login is final: retrying cannot fix a wrong password."""
+    log_path = tmp_path / f"{module}.log"
+    args = [f"--model={prepared_model_dir}", "--port=0"] if module == "gateway" else []
     process = _start(
-        "scheduler_actor",
+        module,
+        *args,
         env={**os.environ, "REDIS_URL": password_redis.wrong_password_url},
         log_path=log_path,
     )
     try:
-        deadline = time.monotonic() + 30
-        while "invalid username-password pair" not in log_path.read_text():
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        process.wait(timeout=20)
+        assert process.wait(timeout=60) == 2, log_path.read_text()
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert "wrong" not in log_path.read_text()
+    text = log_path.read_text()
+    assert "Redis refused the login" in text and "invalid username-password pair" in text
+    assert "wrong" not in text
 
 
 # --- the embedded redis-server of `orcapod up` ----------------------------------------
