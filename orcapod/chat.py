@@ -17,6 +17,7 @@ import uuid
 
 import msgspec
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import InvalidStatus
 
 from shared.protocol import (
     Cancel,
@@ -174,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print()
         return 0
+    except InvalidStatus as error:
+        status = error.response.status_code
+        hint = " (give an API key: --api-key or ORCAPOD_API_KEY)" if status == 401 else ""
+        print(
+            f"orcapod chat: {args.url} refused the connection: HTTP {status}{hint}", file=sys.stderr
+        )
+        return 1
     except (OSError, msgspec.DecodeError) as error:
         print(f"orcapod chat: cannot talk to {args.url}: {error}", file=sys.stderr)
         return 1

@@ -346,3 +346,40 @@ def test_without_keys_a_loopback_gateway_is_open_as_default(
             assert isinstance(done, Done)
 
     run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
+
+
+def test_orcapod_chat_sends_its_key_and_says_when_it_has_none(
+    redis_server: RedisServer,
+    chat_tokenizer: ChatTokenizer,
+    model_limits: ModelLimits,
+    tenants_file: Path,
+) -> None:
+    async def chat(*args: str, key: str | None) -> tuple[int, str, str]:
+        env = {"PATH": "/usr/bin:/bin"} | ({"ORCAPOD_API_KEY": key} if key else {})
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "orcapod",
+            "chat",
+            *args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(b"/quit\n"), 60)
+        assert process.returncode is not None
+        return process.returncode, stdout.decode(), stderr.decode()
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        status, _, stderr = await chat("--url", server.url, key=None)
+        assert status == 1 and "HTTP 401" in stderr and "ORCAPOD_API_KEY" in stderr
+        assert "Traceback" not in stderr
+        status, stdout, stderr = await chat("--url", server.url, key=KEY_B)
+        assert status == 0 and f"connected to {server.url}" in stdout, stderr
+        status, stdout, _ = await chat("--url", server.url, "--api-key", KEY_A, key="nope")
+        assert status == 0 and "connected" in stdout
+
+    run_with_gateway(
+        redis_server, chat_tokenizer, model_limits, scenario, tenants_file=tenants_file
+    )
