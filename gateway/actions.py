@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.tenants import TokenReservation
-from shared.messages import CancelRequest, RequestEnded, RequestRecord, SubmitRequest
+from shared.messages import (
+    CancelRequest,
+    RequestAdopted,
+    RequestEnded,
+    RequestRecord,
+    SubmitRequest,
+)
 from shared.protocol import Accepted, Done, Error, Resume, Token
 
 ServerFrame = Accepted | Token | Done | Error
@@ -25,15 +31,16 @@ class SendFrame:
 
 @dataclass(frozen=True)
 class PostUpstream:
-    """XADD ``message``: a SubmitRequest to the requests stream, a CancelRequest to
-    control; in the same transaction, append ``log_entry`` to the request's log.
+    """XADD ``message``: a SubmitRequest to the requests stream, a CancelRequest or
+    RequestAdopted to control; in the same transaction, append ``log_entry`` to
+    the request's log.
 
     With a ``reservation``, a submit first takes its tokens from the tenant's
     per-minute budget in Redis; over it, the request ends in ``queue_full``
     (``GatewaySession.on_submit_refused``) and nothing is posted.
     """
 
-    message: SubmitRequest | CancelRequest
+    message: SubmitRequest | CancelRequest | RequestAdopted
     log_entry: RequestRecord | RequestEnded | None = None
     reservation: TokenReservation | None = None
 

@@ -34,6 +34,7 @@ from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from gateway.validation import ModelLimits, RequestValidationError, validate_generate
 from shared.messages import (
     CancelRequest,
+    RequestAdopted,
     RequestEnded,
     RequestRecord,
     RequestRejected,
@@ -383,8 +384,9 @@ class GatewaySession:
             self._retain(stream)
         logger.info("request taken over from its log", request_id=stream.request_id)
         actions = self._resume(socket_id, resume)
-        if not stream.finished:
-            actions.append(FollowLog(stream.request_id, log.last_entry_id))
+        if not stream.finished and stream.socket_id == socket_id:
+            adopted = RequestAdopted(stream.request_id, self.config.gateway_id)
+            actions += [FollowLog(stream.request_id, log.last_entry_id), PostUpstream(adopted)]
         return actions
 
     def on_log_entries(

@@ -28,6 +28,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
     parser.add_argument("--token-budget", type=int, default=defaults.token_budget)
     parser.add_argument("--max-chunk-tokens", type=int, default=defaults.max_chunk_tokens)
     parser.add_argument("--worker-timeout-s", type=float, default=defaults.worker_timeout_s)
+    parser.add_argument(
+        "--orphan-timeout-s",
+        type=float,
+        default=defaults.orphan_timeout_s,
+        help="cancel the requests of a gateway silent this long (unless resumed elsewhere)",
+    )
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting)
     args = parser.parse_args(argv)
     return SchedulerSettings(
@@ -37,6 +43,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         token_budget=args.token_budget,
         max_chunk_tokens=args.max_chunk_tokens,
         worker_timeout_s=args.worker_timeout_s,
+        orphan_timeout_s=args.orphan_timeout_s,
         max_waiting=args.max_waiting,
     )
 

@@ -44,10 +44,13 @@ from scheduler_actor.errors import (
     RequestTooLargeError,
     SchedulerError,
 )
+from scheduler_actor.liveness import Liveness
 from scheduler_actor.request import FinishedRequest
 from shared.keys import SCHEDULER_GROUP, RedisKeys
 from shared.messages import (
     CancelRequest,
+    RequestAdopted,
+    RequestEnded,
     RequestRejected,
     StepOutput,
     SubmitRequest,
@@ -65,7 +68,7 @@ from shared.redis_streams import (
     reconnect_backoff_s,
     xadd_message,
 )
-from shared.request_log import read_request_logs
+from shared.request_log import queue_end, read_request_logs
 from shared.settings import SchedulerSettings
 
 READ_BLOCK_MS = 100
@@ -78,7 +81,7 @@ PLAN_STREAM_MAXLEN = 1000
 SUMMARY_EVERY_S = 10.0
 CONSUMER_NAME = "scheduler"
 
-Event = SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft | StepOutput
+Event = SubmitRequest | CancelRequest | RequestAdopted | WorkerJoined | WorkerLeft | StepOutput
 
 _log = structlog.get_logger(__name__)
 
@@ -121,7 +124,8 @@ class SchedulerActor:
         self._redis = redis
         self._clock = clock
         self._core: Scheduler | None = None
-        self._last_alive_s: dict[str, float] = {}
+        self._workers_alive = Liveness(settings.worker_timeout_s)
+        self._gateways_alive = Liveness(settings.orphan_timeout_s)
         self._next_housekeeping_s = 0.0
         self._next_summary_s = 0.0
         self._counters = _Counters()
@@ -152,7 +156,8 @@ class SchedulerActor:
             await self._redis.set(self.keys.epoch, epoch)
         self._epoch = epoch
         self._core = Scheduler(scheduler_config(self.settings, epoch), self._clock)
-        self._last_alive_s.clear()
+        self._workers_alive.clear()
+        self._gateways_alive.clear()
         self._submit_entry_ids.clear()
         # "0": a worker may have joined, or a gateway submitted, before we started.
         for stream in self._decoders:
@@ -290,6 +295,8 @@ class SchedulerActor:
             self._submit(entry.entry_id, message, pipe)
         elif isinstance(message, CancelRequest):
             self._ack_finished(core.cancel(message.request_id), pipe)
+        elif isinstance(message, RequestAdopted):
+            core.move_to_gateway(message.request_id, message.gateway_id)
         elif isinstance(message, WorkerJoined):
             return await self._join(message, pipe)
         elif isinstance(message, WorkerLeft) and message.worker_id in core.workers:
@@ -366,7 +373,7 @@ class SchedulerActor:
         except SchedulerError as error:
             _log.warning("bad_worker_join", worker_id=worker_id, error=str(error))
             return True
-        self._last_alive_s[worker_id] = self._clock()
+        self._workers_alive.alive(worker_id, self._clock())
         # Whatever is still in the plan stream was meant for an earlier incarnation.
         pipe.xtrim(self.keys.plans(worker_id), maxlen=0, approximate=False)
         _log.info(
@@ -382,22 +389,41 @@ class SchedulerActor:
         """Forget a worker; its requests wait again and are recomputed elsewhere."""
         num_placed = len(self.core.workers[worker_id].placed)
         self._ack_finished(self.core.worker_lost(worker_id), pipe)
-        self._last_alive_s.pop(worker_id, None)
+        self._workers_alive.forget(worker_id)
         _log.warning("worker_lost", worker_id=worker_id, reason=reason, num_requeued=num_placed)
 
     async def _check_heartbeats(self, now: float, turn_pipe: Pipeline) -> None:
+        """Lose silent workers; cancel the requests of gateways silent for
+        ``orphan_timeout_s`` (nobody resumed them elsewhere meanwhile)."""
         worker_ids = list(self.core.workers)
-        if not worker_ids:
+        gateway_ids = sorted(
+            {request.gateway_id for request in self.core.requests.values() if request.gateway_id}
+        )
+        if not worker_ids and not gateway_ids:
             return
         pipe = self._redis.pipeline(transaction=False)
         for worker_id in worker_ids:
             pipe.exists(self.keys.worker_heartbeat(worker_id))
+        for gateway_id in gateway_ids:
+            pipe.exists(self.keys.gateway_heartbeat(gateway_id))
         alive = await pipe.execute()
-        for worker_id, is_alive in zip(worker_ids, alive, strict=True):
-            if is_alive:
-                self._last_alive_s[worker_id] = now
-            elif now - self._last_alive_s.get(worker_id, now) > self.settings.worker_timeout_s:
+        for worker_id, is_alive in zip(worker_ids, alive, strict=False):
+            if self._workers_alive.is_gone(worker_id, bool(is_alive), now):
                 self._lose(worker_id, "heartbeat_timeout", turn_pipe)
+        for gateway_id, is_alive in zip(gateway_ids, alive[len(worker_ids) :], strict=True):
+            if self._gateways_alive.is_gone(gateway_id, bool(is_alive), now):
+                self._cancel_orphans(gateway_id, turn_pipe)
+
+    def _cancel_orphans(self, gateway_id: str, pipe: Pipeline) -> None:
+        """The gateway died and no other took its requests over: stop them (their
+        logs say so, for a client that comes back later)."""
+        self._gateways_alive.forget(gateway_id)
+        orphans = [r for r in self.core.requests.values() if r.gateway_id == gateway_id]
+        for request in orphans:
+            ended = RequestEnded(request.request_id, num_tokens=len(request.generated_ids))
+            queue_end(pipe, self.keys, ended, self.settings.redis.log_retention_s)
+            self._ack_finished(self.core.cancel(request.request_id), pipe)
+        _log.warning("orphans_cancelled", gateway_id=gateway_id, num_requests=len(orphans))
 
     def _refresh_ready(self, pipe: Pipeline) -> None:
         if self.core.workers:

@@ -138,6 +138,13 @@ class Scheduler:
         request.finish_reason = "cancelled"
         return [self._release(request), *self._release_batch_if_done(worker)]
 
+    def move_to_gateway(self, request_id: str, gateway_id: str) -> None:
+        """A live request is now served by ``gateway_id`` (a resume there); a no-op
+        for requests that are not live."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.gateway_id = gateway_id
+
     def worker_joined(
         self, worker_id: str, num_blocks: int, block_size: int, max_inflight: int = 1
     ) -> None:

@@ -159,6 +159,15 @@ class CancelRequest(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fi
     version: int = WIRE_VERSION
 
 
+class RequestAdopted(msgspec.Struct, frozen=True, tag="adopted", forbid_unknown_fields=True):
+    """Gateway → scheduler (control stream): a client resumed on this gateway a
+    request another (dead) gateway accepted; it is not an orphan."""
+
+    request_id: str
+    gateway_id: str
+    version: int = WIRE_VERSION
+
+
 class WorkerJoined(msgspec.Struct, frozen=True, tag="worker_joined", forbid_unknown_fields=True):
     """Worker → scheduler (control stream): a worker is ready with this K/V capacity."""
 
@@ -213,7 +222,7 @@ class RequestEnded(msgspec.Struct, frozen=True, tag="ended", forbid_unknown_fiel
 
 
 WorkerMessage = StepPlan | StepOutput
-ControlMessage = SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft
+ControlMessage = SubmitRequest | CancelRequest | RequestAdopted | WorkerJoined | WorkerLeft
 GatewayMessage = TokenBatch | RequestRejected
 # A request's log: its record, then the tokens workers sent (TokenBatch), maybe an end.
 RequestLogEntry = RequestRecord | TokenBatch | RequestEnded
@@ -254,7 +263,7 @@ def decode_step_output(data: bytes) -> StepOutput:
 
 def decode_control_message(
     data: bytes,
-) -> SubmitRequest | CancelRequest | WorkerJoined | WorkerLeft:
+) -> SubmitRequest | CancelRequest | RequestAdopted | WorkerJoined | WorkerLeft:
     """Decode a message of the requests or control stream."""
     return _control_decoder.decode(data)
 

@@ -107,6 +107,8 @@ class SchedulerSettings:
     token_budget: int = 512
     max_chunk_tokens: int = 512
     worker_timeout_s: float = 10.0
+    # A gateway silent this long: its requests nobody resumed elsewhere are cancelled.
+    orphan_timeout_s: float = 60.0
     max_waiting: int = 10_000
 
 

@@ -10,11 +10,19 @@ from gateway.server import GatewayServer
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
 from shared.keys import MESSAGE_FIELD
-from shared.messages import RequestEnded, RequestRecord, SubmitRequest, TokenBatch, encode
+from shared.messages import (
+    RequestAdopted,
+    RequestEnded,
+    RequestRecord,
+    SubmitRequest,
+    TokenBatch,
+    encode,
+)
 from shared.protocol import Done, Token
 from shared.request_log import queue_record, queue_tokens, read_request_log
 from tests.conftest import RedisServer
 from tests.gateway.test_server import (
+    GATEWAY_ID,
     KEYS,
     FakeUpstream,
     accept,
@@ -127,6 +135,9 @@ def test_resume_of_a_request_only_another_gateway_knew_reads_its_log(
             await send(socket, type="resume", request_id="r-elsewhere", after_seq=0)
             first = await receive(socket)
             assert isinstance(first, Token) and first.seq == 1 and first.id == "x"
+            # The scheduler learns the request has a live gateway again (no orphan).
+            adopted = await upstream.next_control()
+            assert adopted == RequestAdopted("r-elsewhere", GATEWAY_ID)
             # The rest arrives while the gateway follows the log.
             pipe = upstream.redis.pipeline(transaction=True)
             for token in tokens[2:]:

@@ -62,6 +62,9 @@ class FakeUpstream:
         assert isinstance(message, CancelRequest)
         return message
 
+    async def next_control(self) -> Any:
+        return await self._next(KEYS.control)
+
     async def num_cancels(self) -> int:
         return int(await self.redis.xlen(KEYS.control))
 

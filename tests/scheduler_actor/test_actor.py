@@ -16,6 +16,7 @@ from scheduler_actor.sim_worker import SimulatedWorker
 from shared.keys import MESSAGE_FIELD, RedisKeys
 from shared.messages import (
     CancelRequest,
+    RequestAdopted,
     RequestRecord,
     RequestRejected,
     SampledToken,
@@ -27,9 +28,10 @@ from shared.messages import (
     WorkerLeft,
     decode_gateway_message,
     decode_worker_message,
+    encode,
 )
 from shared.redis_streams import connect, send_message
-from shared.request_log import queue_record, queue_tokens
+from shared.request_log import queue_record, queue_tokens, read_request_log
 from shared.settings import RedisSettings, SchedulerSettings
 
 KEYS = RedisKeys("test")
@@ -356,3 +358,36 @@ def test_a_new_incarnation_recovers_pending_requests_with_their_logged_tokens(re
 async def _num_pending(redis: aioredis.Redis, count: int) -> bool:
     pending = await redis.xpending(KEYS.requests, "scheduler")
     return bool(pending["pending"] == count)
+
+
+def test_requests_of_a_dead_gateway_are_cancelled_unless_resumed_elsewhere(redis_server):
+    """gw-dead never beats: its request is cancelled after the orphan timeout,
+    and its log says so; one taken over by a live gateway (RequestAdopted) and
+    one of a live gateway keep running."""
+
+    async def scenario(redis: aioredis.Redis) -> None:
+        await redis.set(KEYS.gateway_heartbeat("gw-live"), b"1", ex=30)
+        pipe = redis.pipeline(transaction=True)
+        for request_id, gateway_id in (
+            ("orphan", "gw-dead"),
+            ("moved", "gw-dead"),
+            ("kept", "gw-live"),
+        ):
+            sampling = SamplingParams(max_tokens=50, ignore_eos=True)
+            message = SubmitRequest(request_id, gateway_id, "tenant", [1, 2, 3], sampling)
+            queue_record(pipe, KEYS, RequestRecord(submit=message, client_id=request_id))
+            pipe.xadd(KEYS.requests, {MESSAGE_FIELD: encode(message)})
+        await pipe.execute()
+        await wait_for(lambda: _num_pending(redis, 3))  # read by the scheduler
+        await send_message(redis, KEYS.control, RequestAdopted("moved", "gw-live"))
+        await wait_for(lambda: _num_pending(redis, 2), timeout_s=10)
+        orphan_log = await read_request_log(redis, KEYS, "orphan")
+        assert orphan_log is not None and orphan_log.ended_after == 0
+        for request_id in ("moved", "kept"):
+            log = await read_request_log(redis, KEYS, request_id)
+            assert log is not None and log.ended_after is None
+
+    with capture_logs() as logs:
+        run_scenario(redis_server.url, scenario, orphan_timeout_s=0.5)
+    [cancelled] = [log for log in logs if log["event"] == "orphans_cancelled"]
+    assert cancelled["gateway_id"] == "gw-dead" and cancelled["num_requests"] == 1
