@@ -180,14 +180,8 @@ class GatewaySession:
 
     def on_submit_failed(self, request_id: str, reason: str) -> list[Action]:
         """The SubmitRequest could not be added to Redis: the request ends in an error."""
-        stream = self._streams.get(request_id)
-        if stream is None or stream.finished:
-            return []
-        self._forget(stream)
-        if stream.socket_id is None:
-            return []
-        return self._error(
-            stream.socket_id, "internal", f"could not queue the request: {reason}", stream.client_id
+        return self.on_submit_refused(
+            request_id, "internal", f"could not queue the request: {reason}"
         )
 
     def on_submit_refused(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:

@@ -48,24 +48,26 @@ def free_port() -> int:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A fresh redis-server for one test (no persistence), stopped afterwards."""
+    port = free_port()
+    process = start_redis_server(port, tmp_path, tmp_path / "redis.log")
+    try:
+        yield RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, process=process)
+    finally:
+        stop_process(process)
+
+
+def start_redis_server(
+    port: int, data_dir: Path, log_path: Path, *args: str
+) -> subprocess.Popen[bytes]:
+    """A redis-server child on 127.0.0.1:``port`` (files in ``data_dir``; no
+    snapshots, no append-only file unless ``args``, which come last and win,
+    say otherwise), back once ``port`` accepts connections."""
     executable = shutil.which("redis-server")
     if executable is None:
         pytest.fail("redis-server is not installed (scripts/setup.sh installs it)")
-    port = free_port()
+    base = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     process = subprocess.Popen(
-        [
-            executable,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-        ],
+        [executable, *base, "--dir", str(data_dir), "--logfile", str(log_path), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -73,18 +75,21 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
+                return process
         except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                pytest.fail("redis-server did not start")
+            if process.poll() is not None or time.monotonic() > deadline:
+                stop_process(process)
+                log = log_path.read_text() if log_path.exists() else ""
+                pytest.fail(f"redis-server {' '.join(args)} did not start:\n{log}")
             time.sleep(0.05)
-    try:
-        yield RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, process=process)
-    finally:
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL if it is still there after ``timeout_s``."""
+    if process.poll() is None:
         process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from shared.keys import RedisKeys
-from tests.conftest import free_port
+from tests.conftest import free_port, start_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = RedisKeys("faults")
@@ -62,18 +61,13 @@ class Cluster:
 
     def start_redis(self) -> None:
         """redis-server with its append-only file, so a restart keeps everything."""
-        executable = shutil.which("redis-server")
-        if executable is None:
-            raise ClusterError("redis-server is not installed (scripts/setup.sh installs it)")
         data_dir = self.tmp_path / "redis-data"
         data_dir.mkdir(exist_ok=True)
-        self._spawn(
-            "redis",
-            [
-                *(executable, "--port", str(self.redis_port), "--bind", "127.0.0.1"),
-                *("--dir", str(data_dir), "--appendonly", "yes", "--appendfsync", "always"),
-                *("--save", ""),
-            ],
+        self.processes["redis"] = start_redis_server(
+            self.redis_port,
+            data_dir,
+            self.tmp_path / "redis.log",
+            *("--appendonly", "yes", "--appendfsync", "always"),
         )
         deadline = time.monotonic() + 10
         while True:

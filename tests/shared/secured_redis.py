@@ -4,9 +4,7 @@ the TLS certificates are made with the ``openssl`` command."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.keys import RedisKeys
+from tests.conftest import start_redis_server, stop_process
 
 PASSWORD = "s3cr3t/p@ss:w0rd"  # "/", "@" and ":" must be percent-encoded in the URL
 ACL_USER = "orcapod-actor"
@@ -32,51 +31,13 @@ class SecuredRedis:
     process: subprocess.Popen[bytes]
 
 
-def _redis_server(args: list[str], port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    executable = shutil.which("redis-server")
-    if executable is None:
-        pytest.fail("redis-server is not installed (scripts/setup.sh installs it)")
-    base = [
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(log_path.parent),
-    ]
-    process = subprocess.Popen(
-        [executable, *base, *args, "--logfile", str(log_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return process
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                process.wait()
-                log = log_path.read_text() if log_path.exists() else ""
-                pytest.fail(f"redis-server {' '.join(args)} did not start:\n{log}")
-            time.sleep(0.05)
-
-
 @contextmanager
 def running_redis(args: list[str], port: int, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    process = _redis_server(args, port, tmp_path / "redis.log")
+    process = start_redis_server(port, tmp_path, tmp_path / "redis.log", *args)
     try:
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 @dataclass(frozen=True)
