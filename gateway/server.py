@@ -17,7 +17,6 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
-from typing import Any, cast
 from urllib.parse import urlsplit
 
 import structlog
@@ -30,6 +29,7 @@ from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from gateway.actions import Action, DeadLetter, FollowLog, LoadLog, PostUpstream, SendFrame
+from gateway.log_reader import LogReader
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tenant_loader import TenantLoader
 from gateway.tenants import (
@@ -52,11 +52,8 @@ from shared.messages import RequestRecord, SubmitRequest, encode
 from shared.protocol import Error, encode_json
 from shared.redis_streams import connect, reconnect_backoff_s
 from shared.request_log import (
-    RawEntries,
-    decode_entries,
     queue_end,
     queue_record,
-    read_request_log,
 )
 from shared.settings import GatewaySettings
 
@@ -111,9 +108,7 @@ class GatewayServer:
         # times max_tokens, and keepalive pings drop dead peers.
         self._outboxes: dict[int, asyncio.Queue[str | None]] = {}
         self._readers_stop = asyncio.Event()
-        # Logs followed (requests another gateway accepted): request id -> last entry read.
-        self._followed: dict[str, bytes] = {}
-        self._follow_wakeup = asyncio.Event()
+        self._logs = LogReader(self._redis, self._keys, self._session, self._apply)
         self.listening = asyncio.Event()
         self.port: int | None = None
 
@@ -142,7 +137,7 @@ class GatewayServer:
                 tasks.create_task(self._read_tokens(subscribed), name="gateway-tokens")
                 tasks.create_task(self._heartbeat(), name="gateway-heartbeat")
                 tasks.create_task(self._watch_tenants(), name="gateway-tenants")
-                tasks.create_task(self._follow_logs(), name="gateway-logs")
+                tasks.create_task(self._logs.follow_until(self._readers_stop), name="gateway-logs")
                 try:
                     # Serve only once tokens can reach us: a request accepted
                     # before the SUBSCRIBE is in place could lose its first tokens.
@@ -302,7 +297,7 @@ class GatewayServer:
                 if message["type"] == "subscribe":
                     logger.info("subscribed", channel=channel)
                     if subscribed.is_set():
-                        await self._catch_up()
+                        await self._logs.catch_up(self._readers_stop)
                     subscribed.set()
                 elif message["type"] == "message":
                     await self._apply(self._on_gateway_message(message["data"], channel))
@@ -353,10 +348,9 @@ class GatewayServer:
             elif isinstance(action, DeadLetter):
                 await self._dead_letter(action)
             elif isinstance(action, LoadLog):
-                await self._load_log(action)
+                await self._logs.load(action)
             elif isinstance(action, FollowLog):
-                self._followed[action.request_id] = action.after_entry_id
-                self._follow_wakeup.set()
+                self._logs.follow(action)
 
     async def _post_upstream(self, action: PostUpstream) -> None:
         message = action.message
@@ -456,76 +450,6 @@ class GatewayServer:
             forced = self._tenants_reload.is_set()
             self._tenants_reload.clear()
             await self._tenants.reload(force_file=forced)
-
-    async def _load_log(self, action: LoadLog) -> None:
-        try:
-            log = await read_request_log(self._redis, self._keys, action.request_id)
-        except (RedisError, OSError) as error:
-            logger.warning("could not read a request log", error=str(error))
-            frame = Error(
-                code="internal", message=f"cannot reach redis: {error}", id=action.resume.id
-            )
-            await self._apply([SendFrame(action.socket_id, frame)])
-            return
-        await self._apply(self._session.on_log_loaded(action.socket_id, action.resume, log))
-
-    async def _follow_logs(self) -> None:
-        """Feed the session the tokens of requests taken over from another
-        gateway, read from their logs (one blocking XREAD for all of them)."""
-        failures = 0
-        while not self._readers_stop.is_set():
-            unfinished = set(self._session.unfinished_request_ids())
-            self._followed = {
-                request_id: entry_id
-                for request_id, entry_id in self._followed.items()
-                if request_id in unfinished
-            }
-            if not self._followed:
-                self._follow_wakeup.clear()
-                await _wait_any(self._follow_wakeup, self._readers_stop)
-                continue
-            streams: dict[str | bytes, bytes] = {
-                self._keys.request_log(request_id): entry_id
-                for request_id, entry_id in self._followed.items()
-            }
-            try:
-                reply = cast(
-                    list[tuple[bytes, RawEntries]],
-                    await self._redis.xread(
-                        cast(Any, streams), block=int(POLL_S * 1000), count=256
-                    ),
-                )
-            except (RedisError, OSError) as error:
-                logger.warning("request logs unreachable", error=str(error))
-                await self._sleep_unless_stopping(reconnect_backoff_s(failures))
-                failures += 1
-                continue
-            failures = 0
-            for raw_stream, raw_entries in reply or []:
-                log_key = raw_stream.decode()
-                request_id = log_key.removeprefix(self._keys.request_log(""))
-                if request_id in self._followed and raw_entries:
-                    self._followed[request_id] = raw_entries[-1][0]
-                decoded = [entry for _, entry in decode_entries(raw_entries, log_key)]
-                await self._apply(self._session.on_log_entries(request_id, decoded))
-
-    async def _catch_up(self) -> None:
-        """Read again the log of every request running here, for tokens pub/sub
-        lost while Redis was unreachable (tried again until Redis answers)."""
-        pending = self._session.unfinished_request_ids()
-        failures = 0
-        while pending and not self._readers_stop.is_set():
-            request_id = pending[-1]
-            try:
-                log = await read_request_log(self._redis, self._keys, request_id)
-            except (RedisError, OSError) as error:
-                logger.warning("could not read a request log", error=str(error))
-                await self._sleep_unless_stopping(reconnect_backoff_s(failures))
-                failures += 1
-                continue
-            pending.pop()
-            if log is not None:
-                await self._apply(self._session.on_log_entries(request_id, log.as_entries()))
 
     async def _dead_letter(self, action: DeadLetter) -> None:
         try:
