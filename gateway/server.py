@@ -2,7 +2,9 @@
 
 It owns the I/O and nothing else: a websockets server (``/ws``, ``/healthz``),
 one redis.asyncio client, one pub/sub reader for the gateway's tokens
-channel, one heartbeat, and per socket one reader and one writer. Every task
+channel, one follower of request logs (``gateway/log_reader.py``), the
+tenant table's reloader, one heartbeat, and per socket one reader and one
+writer. Every task
 is owned by a TaskGroup and awaited. Shutdown, when ``stop`` is set, is
 ordered: stop accepting sockets and refuse new requests, let the requests in
 flight finish (at most ``drain_timeout_s``), close every socket (which cancels
