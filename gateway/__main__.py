@@ -55,6 +55,13 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         help="on SIGTERM, how long requests in flight may take to finish",
     )
     parser.add_argument(
+        "--detach-grace-s",
+        type=float,
+        default=DEFAULTS.detach_grace_s,
+        help="how long the requests of a closed socket keep running, waiting for a "
+        "`resume` (0: cancel them at once)",
+    )
+    parser.add_argument(
         "--tenants-file",
         help="TOML file of tenants and API key hashes (default: $ORCAPOD_TENANTS_FILE); "
         "keys may also be in Redis; with none, the gateway is open and loopback only",
@@ -70,6 +77,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         max_requests_per_socket=args.max_requests_per_socket,
         max_tokens_limit=args.max_tokens_limit,
         drain_timeout_s=args.drain_timeout_s,
+        detach_grace_s=args.detach_grace_s,
         tenants_file=tenants_file(args.tenants_file),
     )
 

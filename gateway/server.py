@@ -90,6 +90,7 @@ class GatewayServer:
                 gateway_id=settings.gateway_id,
                 max_frame_bytes=settings.max_frame_bytes,
                 max_requests_per_socket=settings.max_requests_per_socket,
+                detach_grace_s=settings.detach_grace_s,
             ),
             tokenizer,
             limits,
@@ -324,7 +325,8 @@ class GatewayServer:
             return [DeadLetter(source=channel, error=repr(error), data=data)]
 
     async def _heartbeat(self) -> None:
-        """Keep this gateway's heartbeat key alive (TTL a few beats) until shutdown."""
+        """Keep this gateway's heartbeat key alive (TTL a few beats) until
+        shutdown, and let the session's clock tick."""
         key = self._keys.gateway_heartbeat(self.settings.gateway_id)
         ttl_ms = max(int(3_000 * self.settings.heartbeat_s), 1_000)
         while not self._readers_stop.is_set():
@@ -332,6 +334,8 @@ class GatewayServer:
                 await self._redis.set(key, self.settings.gateway_id, px=ttl_ms)
             except (RedisError, OSError) as error:
                 logger.warning("heartbeat failed", error=str(error))
+            # Requests left by a closed socket and not resumed in time end now.
+            await self._apply(self._session.on_tick())
             await self._sleep_unless_stopping(self.settings.heartbeat_s)
         try:
             await self._redis.delete(key)

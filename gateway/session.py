@@ -71,6 +71,9 @@ class SessionConfig:
     tenant: str = "default"
     # How long a finished request's frames stay available to `resume`.
     retention_s: float = 60.0
+    # How long a request whose socket closed keeps running, waiting for a
+    # `resume` (a network blip must not cost the answer); 0: cancel at once.
+    detach_grace_s: float = 0.0
 
 
 class _ClientIdProbe(msgspec.Struct):
@@ -102,6 +105,8 @@ class GatewaySession:
         self._socket_tenants: dict[int, Tenant] = {}
         # Live and recently finished requests (the latter kept for resume).
         self._streams: dict[str, RequestStream] = {}
+        # (cancel_at_s, request_id) of requests whose socket closed, in closing order.
+        self._detached: deque[tuple[float, str]] = deque()
         # (finished_at_s, request_id) in finishing order, so expiry is O(1) per request.
         self._finished: deque[tuple[float, str]] = deque()
         # Set on shutdown: requests in flight go on, new ones are refused.
@@ -141,21 +146,49 @@ class GatewaySession:
         return socket_id
 
     def disconnect(self, socket_id: int) -> list[Action]:
-        """A socket closed: cancel its live requests upstream (their log stays for resume)."""
+        """A socket closed: its live requests keep running for ``detach_grace_s``,
+        waiting for a ``resume`` (``on_tick`` cancels them after that); with no
+        grace, or while draining, they are cancelled upstream at once (their
+        log stays for resume either way)."""
         self._expire()
         requests = self._sockets.pop(socket_id, {})
         self._socket_tenants.pop(socket_id, None)
         now_s = self._clock()
-        actions: list[Action] = []
-        for request_id in requests.values():
-            stream = self._streams[request_id]
+        streams = [self._streams[request_id] for request_id in requests.values()]
+        for stream in streams:
             stream.socket_id = None
-            stream.cancel(now_s)
-            self._retain(stream)
-            actions.append(_cancel_upstream(stream))
-        if requests:
-            logger.info("socket closed, requests cancelled", num_requests=len(requests))
+        if self.config.detach_grace_s > 0 and not self._draining:
+            deadline_s = now_s + self.config.detach_grace_s
+            self._detached.extend((deadline_s, stream.request_id) for stream in streams)
+            if streams:
+                logger.info("socket closed, requests wait for a resume", num_requests=len(streams))
+            return []
+        if streams:
+            logger.info("socket closed, requests cancelled", num_requests=len(streams))
+        return [self._cancel_detached(stream, now_s) for stream in streams]
+
+    def on_tick(self) -> list[Action]:
+        """Called every second or so: cancel the requests whose socket closed more
+        than ``detach_grace_s`` ago and that nobody resumed meanwhile."""
+        self._expire()
+        now_s = self._clock()
+        actions: list[Action] = []
+        while self._detached and self._detached[0][0] <= now_s:
+            _, request_id = self._detached.popleft()
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.socket_id is None and not stream.finished:
+                # Another gateway may have taken it over: the scheduler, which
+                # knows, decides; a later resume (anywhere) reads the log.
+                logger.info("request not resumed here in time", request_id=request_id)
+                self._forget(stream)
+                cancel = CancelRequest(request_id=request_id, gateway_id=self.config.gateway_id)
+                actions.append(PostUpstream(cancel))
         return actions
+
+    def _cancel_detached(self, stream: RequestStream, now_s: float) -> PostUpstream:
+        stream.cancel(now_s)
+        self._retain(stream)
+        return _cancel_upstream(stream)
 
     def on_frame(self, socket_id: int, frame: str | bytes) -> list[Action]:
         """A frame from the client on ``socket_id``."""

@@ -294,7 +294,7 @@ class SchedulerActor:
         elif isinstance(message, SubmitRequest):
             self._submit(entry.entry_id, message, pipe)
         elif isinstance(message, CancelRequest):
-            self._ack_finished(core.cancel(message.request_id), pipe)
+            self._cancel(message, pipe)
         elif isinstance(message, RequestAdopted):
             core.move_to_gateway(message.request_id, message.gateway_id)
         elif isinstance(message, WorkerJoined):
@@ -413,6 +413,19 @@ class SchedulerActor:
         for gateway_id, is_alive in zip(gateway_ids, alive[len(worker_ids) :], strict=True):
             if self._gateways_alive.is_gone(gateway_id, bool(is_alive), now):
                 self._cancel_orphans(gateway_id, turn_pipe)
+
+    def _cancel(self, message: CancelRequest, pipe: Pipeline) -> None:
+        """A gateway's cancel; a conditional one (``gateway_id``) only while that
+        gateway still serves the request, and then its log records the end."""
+        request = self.core.requests.get(message.request_id)
+        if request is None:
+            return
+        if message.gateway_id:
+            if request.gateway_id != message.gateway_id:
+                return  # resumed on another gateway meanwhile
+            ended = RequestEnded(request.request_id, num_tokens=len(request.generated_ids))
+            queue_end(pipe, self.keys, ended, self.settings.redis.log_retention_s)
+        self._ack_finished(self.core.cancel(message.request_id), pipe)
 
     def _cancel_orphans(self, gateway_id: str, pipe: Pipeline) -> None:
         """The gateway died and no other took its requests over: stop them (their

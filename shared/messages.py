@@ -153,9 +153,15 @@ class SubmitRequest(msgspec.Struct, frozen=True, tag="submit", forbid_unknown_fi
 
 
 class CancelRequest(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
-    """Gateway → scheduler (control stream): stop a request."""
+    """Gateway → scheduler (control stream): stop a request.
+
+    With ``gateway_id`` the cancel is conditional: it stands only while that
+    gateway still serves the request (its client's socket closed and nobody
+    resumed it, here or elsewhere); the scheduler then records the end in the
+    request's log itself."""
 
     request_id: str
+    gateway_id: str = ""
     version: int = WIRE_VERSION
 
 

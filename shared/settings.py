@@ -95,6 +95,8 @@ class GatewaySettings:
     tenants_reload_s: float = 2.0
     # On SIGTERM: how long requests in flight may take to finish before sockets close.
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # A closed socket's requests keep running this long, waiting for a resume.
+    detach_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)

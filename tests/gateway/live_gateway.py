@@ -57,6 +57,7 @@ class LiveGateway:
             max_tokens_limit=limits.max_tokens_limit,
             max_frame_bytes=MAX_FRAME_BYTES,
             max_requests_per_socket=MAX_REQUESTS_PER_SOCKET,
+            detach_grace_s=0.0,
         )
         self.server = GatewayServer(settings, tokenizer, limits)
         self._runner = runner

@@ -114,7 +114,7 @@ async def running_gateway(
         port=0,
         heartbeat_s=0.2,
         max_tokens_limit=limits.max_tokens_limit,
-        **overrides,
+        **{"detach_grace_s": 0.0, **overrides},
     )
     server = GatewayServer(settings, tokenizer, limits)
     stop = asyncio.Event()

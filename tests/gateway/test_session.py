@@ -299,3 +299,33 @@ def test_token_ids_outside_the_vocabulary_are_a_dead_letter(session: GatewaySess
     assert [type(frame) for frame in frames(session.on_gateway_message(batch(good), "ch"))] == [
         Token
     ]
+
+
+def test_a_closed_sockets_requests_wait_for_a_resume_then_end(
+    chat_tokenizer: ChatTokenizer, model_limits: ModelLimits, clock: FakeClock
+) -> None:
+    """With a grace, a closed socket cancels nothing: a resume within it picks
+    the stream up live; a request nobody resumes is handed to the scheduler's
+    judgement (a conditional cancel: another gateway may have taken it over)
+    and forgotten here, so a later resume reads its log."""
+    config = SessionConfig(gateway_id="gw", detach_grace_s=10.0)
+    session = GatewaySession(config, chat_tokenizer, model_limits, clock)
+    old = session.connect()
+    kept = generate(session, old, "a")
+    dropped = generate(session, old, "b")
+    tokens = worker_tokens(chat_tokenizer, kept, "Hi there friend")
+    session.on_gateway_message(batch(tokens[0]), "ch")
+    assert session.disconnect(old) == []
+    session.on_gateway_message(batch(tokens[1]), "ch")  # still running, nobody to tell
+    clock.now_s += 5
+    assert session.on_tick() == []
+    new = session.connect()
+    resume = f'{{"type":"resume","request_id":"{kept}","after_seq":0}}'
+    replay = frames(session.on_frame(new, resume))
+    assert [(type(f), f.seq) for f in replay] == [(Token, 1)]  # type: ignore[attr-defined]
+    rest = frames(session.on_gateway_message(batch(*tokens[2:]), "ch"))
+    assert isinstance(rest[-1], Done) and rest[-1].finish_reason == "length"
+    clock.now_s += 6
+    assert upstream(session.on_tick()) == [CancelRequest(request_id=dropped, gateway_id="gw")]
+    assert session.stream(dropped) is None and session.stream(kept) is not None
+    assert session.on_tick() == []

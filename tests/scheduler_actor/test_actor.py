@@ -391,3 +391,33 @@ def test_requests_of_a_dead_gateway_are_cancelled_unless_resumed_elsewhere(redis
         run_scenario(redis_server.url, scenario, orphan_timeout_s=0.5)
     [cancelled] = [log for log in logs if log["event"] == "orphans_cancelled"]
     assert cancelled["gateway_id"] == "gw-dead" and cancelled["num_requests"] == 1
+
+
+def test_a_conditional_cancel_stands_only_while_its_gateway_serves_the_request(redis_server):
+    """A gateway whose client left without a resume cancels on condition: the
+    scheduler drops the request (and logs its end) unless another gateway took
+    it over meanwhile."""
+
+    async def scenario(redis: aioredis.Redis) -> None:
+        for gateway_id in ("gw-a", "gw-b"):
+            await redis.set(KEYS.gateway_heartbeat(gateway_id), b"1", ex=30)
+        pipe = redis.pipeline(transaction=True)
+        for request_id in ("left", "moved"):
+            sampling = SamplingParams(max_tokens=50, ignore_eos=True)
+            message = SubmitRequest(request_id, "gw-a", "tenant", [1, 2, 3], sampling)
+            queue_record(pipe, KEYS, RequestRecord(submit=message, client_id=request_id))
+            pipe.xadd(KEYS.requests, {MESSAGE_FIELD: encode(message)})
+        await pipe.execute()
+        await wait_for(lambda: _num_pending(redis, 2))
+        await send_message(redis, KEYS.control, RequestAdopted("moved", "gw-b"))
+        for request_id in ("left", "moved"):
+            await send_message(redis, KEYS.control, CancelRequest(request_id, gateway_id="gw-a"))
+        await wait_for(lambda: _num_pending(redis, 1))
+        left = await read_request_log(redis, KEYS, "left")
+        moved = await read_request_log(redis, KEYS, "moved")
+        assert left is not None and left.ended_after == 0
+        assert moved is not None and moved.ended_after is None
+        await asyncio.sleep(0.3)
+        assert await _num_pending(redis, 1)
+
+    run_scenario(redis_server.url, scenario)
