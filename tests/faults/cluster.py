@@ -333,6 +333,13 @@ def seconds_to_last_token(streams: dict[str, Stream], since_s: float) -> float:
     return max(stream.token_times_s[-1] for stream in streams.values()) - since_s
 
 
+def reference_run(url: str, max_tokens: int) -> dict[str, Stream]:
+    """The undisturbed run a faulty one is compared with (checked exactly-once too)."""
+    streams = asyncio.run(run_requests(url, max_tokens))
+    assert_exactly_once(streams, max_tokens)
+    return streams
+
+
 def longest_gap_s(streams: dict[str, Stream]) -> float:
     """The longest wait between two tokens of one request: the fault's cost."""
     gaps = [

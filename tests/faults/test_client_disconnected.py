@@ -16,7 +16,7 @@ from tests.faults.cluster import (
     assert_same_texts,
     each_has_tokens,
     read_into,
-    run_requests,
+    reference_run,
     send_requests,
 )
 
@@ -26,8 +26,7 @@ MAX_TOKENS = 24
 def test_requests_of_a_dropped_connection_keep_running_until_resumed(cluster: Cluster) -> None:
     cluster.start_service()
     url = cluster.ws_url("g0")
-    undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
-    assert_exactly_once(undisturbed, MAX_TOKENS)
+    undisturbed = reference_run(url, MAX_TOKENS)
 
     async def disturbed() -> dict[str, Stream]:
         async with connect(url) as socket:

@@ -18,7 +18,7 @@ from tests.faults.cluster import (
     each_has_tokens,
     longest_gap_s,
     read_into,
-    run_requests,
+    reference_run,
     seconds_to_last_token,
     send_requests,
 )
@@ -31,8 +31,7 @@ def test_a_restarted_scheduler_recovers_every_request_and_old_plans_are_fenced(
 ) -> None:
     cluster.start_service()
     url = cluster.ws_url("g0")
-    undisturbed = asyncio.run(run_requests(url, MAX_TOKENS))
-    assert_exactly_once(undisturbed, MAX_TOKENS)
+    undisturbed = reference_run(url, MAX_TOKENS)
 
     async def disturbed() -> tuple[dict, float]:
         async with connect(url) as socket:
