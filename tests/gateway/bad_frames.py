@@ -83,6 +83,14 @@ JSON_VALUES = st.recursive(
 )
 CONTAINERS = st.lists(SCALARS, max_size=3) | st.dictionaries(ANY_TEXT, SCALARS, max_size=3)
 NOT_STR = st.integers() | st.floats() | st.booleans() | CONTAINERS
+# For list fields: a list of scalars may well be a valid one (`[]`, `["a"]`, `[1, 2]`).
+NOT_A_LIST = (
+    st.integers()
+    | st.floats()
+    | st.booleans()
+    | ANY_TEXT
+    | st.dictionaries(ANY_TEXT, SCALARS, max_size=3)
+)
 NOT_INT = st.floats() | st.booleans() | ANY_TEXT | CONTAINERS
 NOT_NUMBER = st.booleans() | ANY_TEXT | CONTAINERS | st.none()
 # Wrong for every integer field but after_seq (where -1 is allowed).
@@ -142,7 +150,7 @@ BAD_GENERATE_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "id": BAD_ID,
     "prompt": NOT_STR,
     "messages": st.just([]) | NOT_STR | _with_one_bad(GOOD_MESSAGE, BAD_MESSAGE),
-    "prompt_token_ids": st.just([]) | NOT_STR | _with_one_bad(st.integers(0, 100), BAD_TOKEN_ID),
+    "prompt_token_ids": st.just([]) | NOT_A_LIST | _with_one_bad(st.integers(0, 100), BAD_TOKEN_ID),
     "max_tokens": st.integers(max_value=0)
     | st.integers(min_value=MAX_TOKENS_LIMIT + 1)
     | HUGE_OR_NEGATIVE
@@ -153,7 +161,7 @@ BAD_GENERATE_VALUES: dict[str, st.SearchStrategy[Any]] = {
     # Over int64 would not fit the wire to the worker.
     "top_k": st.integers(max_value=-1) | st.integers(min_value=2**63) | HUGE_OR_NEGATIVE | NOT_INT,
     "seed": st.integers(max_value=-1) | st.integers(min_value=2**63) | HUGE_OR_NEGATIVE | NOT_INT,
-    "stop": NOT_STR
+    "stop": NOT_A_LIST
     | st.none()
     | _with_one_bad(SENDABLE_TEXT.filter(bool), st.just("") | st.text(min_size=257) | NOT_STR),
     "ignore_eos": st.integers() | st.floats() | ANY_TEXT | CONTAINERS | st.none(),
