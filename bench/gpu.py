@@ -15,7 +15,9 @@ Run by ``bench/gpu.sh`` (which adds ``orcapod bench`` end to end). Measures:
    replay). Each request attends exactly ``context`` keys through a shuffled
    block table. The bandwidth floor of a step is (weights + K/V read once) /
    copy bandwidth; achieved bandwidth is those bytes / step time;
-4. the CPU cost of launching a graph step (host time of ``run`` on an idle GPU).
+4. the CPU cost of launching a graph step (host time of ``run`` on an idle GPU,
+   less the padding of its inputs, which is reported on its own);
+5. the Triton pointwise kernels against the torch ops over a whole forward.
 
 Timings are medians of ``--steps`` after warm-up, each step synchronised.
 Sampling and plan checks are not included (they are the same on every device).
@@ -46,11 +48,14 @@ from gpu_worker.attention import AttentionBackend, SequenceLayout, make_backend
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import ModelConfig, RopeScaling
+from gpu_worker.pointwise import make_pointwise
 from gpu_worker.weights import ModelWeights, random_weights
 
 BLOCK_SIZE = 16
 TARGET_BATCH, TARGET_CONTEXT, TARGET_FLOOR_RATIO = 64, 1024, 1.5
 TARGET_LAUNCH_US = 50.0
+# Replay runs the same kernels on a padded batch: only bf16 rounding may differ.
+GRAPH_TOLERANCE = 2e-2
 Row = dict[str, Any]
 
 
@@ -142,6 +147,101 @@ def check_triton(device: torch.device) -> list[Row]:
     return results
 
 
+def check_pointwise(device: torch.device) -> list[Row]:
+    """Logits of one mixed step (a 37-token prompt chunk and 7 decodes, SmolLM2's shape,
+    random weights) with the Triton pointwise kernels and with the torch ops.
+
+    fp32: the two against each other. bf16: each against the fp32 torch logits, since
+    bf16 alone is that far from fp32 (about 5e-2 with these random weights); the
+    kernels pass when their error is within 1.5 times the torch ops' own."""
+    config = llama_config("smollm2-135m")
+    rng = random.Random(1)
+    shapes = [(37, 0), *((1, rng.randrange(1, 300)) for _ in range(7))]
+    num_blocks = sum(-(-(q + c) // BLOCK_SIZE) for q, c in shapes)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    layout, positions, slots, start = [], [], [], 0
+    for num_query, num_cached in shapes:
+        table = [blocks.pop() for _ in range(-(-(num_query + num_cached) // BLOCK_SIZE))]
+        layout.append(SequenceLayout(start, num_query, num_cached, table))
+        for position in range(num_cached, num_cached + num_query):
+            positions.append(position)
+            slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+        start += num_query
+    token_ids = [rng.randrange(config.vocab_size) for _ in range(start)]
+    logits_rows = [sequence.query_start + sequence.num_query_tokens - 1 for sequence in layout]
+
+    def logits(dtype: torch.dtype, pointwise: str) -> torch.Tensor:
+        weights = random_weights(config, device, dtype)
+        model = LlamaModel(config, weights, device, dtype, make_pointwise(pointwise))
+        cache = PagedKVCache(config, num_blocks, BLOCK_SIZE, device, dtype)
+        backend = make_backend("triton", dtype)
+        return model.forward(
+            token_ids=torch.tensor(token_ids, device=device),
+            positions=torch.tensor(positions, device=device),
+            slot_mapping=torch.tensor(slots, device=device),
+            kv_cache=cache,
+            backend=backend,
+            attention_plan=backend.prepare(layout, BLOCK_SIZE, device),
+            logits_rows=torch.tensor(logits_rows, device=device),
+        )
+
+    def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+        return float((got - expected).abs().max() / expected.abs().max())
+
+    reference = logits(torch.float32, "torch")
+    fp32_error = relative_error(logits(torch.float32, "triton"), reference)
+    torch_bf16 = relative_error(logits(torch.bfloat16, "torch"), reference)
+    triton_bf16 = logits(torch.bfloat16, "triton")
+    bf16_error = relative_error(triton_bf16, reference)
+    return [
+        {"dtype": "float32", "against": "torch ops, fp32", "max_relative_error": fp32_error,
+         "tolerance": 1e-4, "ok": fp32_error < 1e-4},
+        {"dtype": "bfloat16", "against": "torch ops, fp32", "max_relative_error": bf16_error,
+         "torch_ops_error": torch_bf16, "tolerance": 1.5 * torch_bf16,
+         "ok": bf16_error <= 1.5 * torch_bf16 and not triton_bf16.isnan().any().item()},
+    ]  # fmt: skip
+
+
+def check_engine(device: torch.device) -> Row:
+    """Greedy tokens of staggered, chunked requests through the whole engine on the GPU:
+    Triton kernels and CUDA graphs against the reference attention and torch ops (fp32,
+    SmolLM2's shape, random weights). Mixed steps run eagerly, decode-only steps replay."""
+    from gpu_worker.engine import Engine
+    from gpu_worker.kv_cache import KVCacheBudget
+    from shared.messages import SamplingParams
+    from tests.gpu_worker.plans import Job, run_jobs
+
+    config = llama_config("smollm2-135m")
+    weights = random_weights(config, device, torch.float32)
+    generated, num_steps, used_graphs = {}, 0, False
+    for name in ("reference", "triton"):
+        pointwise = make_pointwise("torch" if name == "reference" else "triton")
+        model = LlamaModel(config, weights, device, torch.float32, pointwise)
+        budget = KVCacheBudget(num_bytes=256 << 20, block_size=BLOCK_SIZE)
+        engine = Engine(model, budget, name, use_cuda_graphs=name == "triton")
+        rng = random.Random(3)
+        jobs = [
+            Job(
+                request_id=f"r{i}",
+                prompt_ids=[rng.randrange(3, 40000) for _ in range(rng.randrange(1, 60))],
+                sampling=SamplingParams(max_tokens=rng.randrange(8, 40), temperature=0.0,
+                                        ignore_eos=True),
+                join_step=rng.randrange(0, 12),
+                chunk_size=rng.choice([7, 16, 1000]),
+            )
+            for i in range(12)
+        ]  # fmt: skip
+        outputs = run_jobs(engine, jobs)
+        generated[name] = [job.generated_ids for job in jobs]
+        if name == "triton":
+            num_steps, used_graphs = len(outputs), engine.uses_cuda_graphs
+    same = generated["triton"] == generated["reference"]
+    num_tokens = sum(len(ids) for ids in generated["reference"])
+    return {"num_tokens": num_tokens, "num_steps": num_steps, "cuda_graphs": used_graphs,
+            "same_tokens": same, "ok": same and used_graphs}  # fmt: skip
+
+
 def random_tensor(
     shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -204,9 +304,10 @@ def eager_step(
 
 def measure_config(
     name: str, batches: list[int], contexts: list[int], steps: int, bandwidth_gb_s: float
-) -> tuple[list[Row], list[float]]:
-    """Decode rows (eager and graph) for one config, and the graph launch times (µs)."""
-    from gpu_worker.cuda_graphs import DecodeGraphRunner
+) -> tuple[list[Row], list[float], list[float]]:
+    """Decode rows (eager and graph) for one config, the graph launch and the input
+    padding times (µs)."""
+    from gpu_worker.cuda_graphs import DecodeGraphRunner, pad_decode_step
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = llama_config(name)
@@ -224,7 +325,7 @@ def measure_config(
     weights_bytes = weight_bytes_read(weights)
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     rng = random.Random(0)
-    rows, launch_us = [], []
+    rows, launch_us, prepare_us = [], [], []
     for context in contexts:
         for batch in batches:
             layout, positions, slots = decode_layout(batch, context, rng, num_blocks)
@@ -232,6 +333,10 @@ def measure_config(
 
             eager = partial(eager_step, model, cache, backend, layout, token_ids, positions, slots)
             graph = partial(runner.run, token_ids, positions, slots, layout)
+            eager_logits, graph_logits = eager().float(), graph().float()
+            graph_error = float(
+                (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
+            )
             step_bytes = weights_bytes + batch * context * kv_bytes_per_token
             floor_s = step_bytes / (bandwidth_gb_s * 1e9)
             for impl, run in (("eager", eager), ("cuda graph", graph)):
@@ -240,18 +345,26 @@ def measure_config(
                     {"model": name, "impl": impl, "batch": batch, "context": context,
                      "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
                      "bytes_read": step_bytes, "achieved_gb_s": step_bytes / step_s / 1e9,
-                     "floor_ms": floor_s * 1e3, "floor_ratio": step_s / floor_s}
+                     "floor_ms": floor_s * 1e3, "floor_ratio": step_s / floor_s,
+                     "graph_vs_eager_error": graph_error}
                 )  # fmt: skip
-            for _ in range(5):  # CPU time to launch one graph step on an idle GPU
+            # CPU time of a graph step on an idle GPU: padding the inputs (Python lists to
+            # arrays), then the rest of `run` (staging, copies, replay), the launch.
+            for _ in range(5):
                 torch.cuda.synchronize()
                 started = time.perf_counter()
+                pad_decode_step(token_ids, positions, slots, layout)
+                pad_s = time.perf_counter() - started
+                started = time.perf_counter()
                 graph()
-                launch_us.append((time.perf_counter() - started) * 1e6)
+                run_s = time.perf_counter() - started
+                prepare_us.append(pad_s * 1e6)
+                launch_us.append((run_s - pad_s) * 1e6)
             torch.cuda.synchronize()
             print(f"  {name} context {context} batch {batch}: "
                   f"eager {rows[-2]['step_ms']:.2f} ms, graph {rows[-1]['step_ms']:.2f} ms, "
                   f"floor {floor_s * 1e3:.2f} ms", flush=True)  # fmt: skip
-    return rows, launch_us
+    return rows, launch_us, prepare_us
 
 
 def prefill_rows(steps: int) -> list[Row]:
@@ -284,6 +397,20 @@ def prefill_rows(steps: int) -> list[Row]:
     return rows
 
 
+def pointwise_lines(checks: list[Row]) -> list[str]:
+    """One line per ``check_pointwise`` row."""
+    lines = []
+    for check in checks:
+        torch_error = check.get("torch_ops_error")
+        also = "" if torch_error is None else f"; torch ops' own: {torch_error:.1e}"
+        lines.append(
+            f"triton pointwise kernels, whole forward ({check['dtype']}) vs "
+            f"{check['against']}: max relative error {check['max_relative_error']:.1e} "
+            f"(tolerance {check['tolerance']:.1e}{also}) {'OK' if check['ok'] else 'FAIL'}"
+        )
+    return lines
+
+
 def table(result: dict[str, Any]) -> str:
     """The Markdown table printed last (and written with ``--table-out``)."""
     ceiling = result["ceilings"]
@@ -303,12 +430,25 @@ def table(result: dict[str, Any]) -> str:
             f"{row['step_ms']:.2f} | {row['tokens_per_s']:,.0f} | {floor} | {ratio} | {achieved} |"
         )
     lines.append("")
+    graph_errors = [row["graph_vs_eager_error"] for row in result["rows"] if "floor_ms" in row]
+    if graph_errors:
+        worst = max(graph_errors)
+        lines.append(
+            f"cuda graph vs eager logits: max relative error {worst:.1e} "
+            f"(tolerance {GRAPH_TOLERANCE:.0e}) {'OK' if worst < GRAPH_TOLERANCE else 'FAIL'}"
+        )
     for check in result["triton_check"]:
         lines.append(
             f"triton vs reference ({check['dtype']}): max relative error "
             f"{check['max_relative_error']:.1e} (tolerance {check['tolerance']:.0e}) "
             f"{'OK' if check['ok'] else 'FAIL'}"
         )
+    lines += pointwise_lines(result["pointwise_check"])
+    padding = result["graph_input_padding_us"]
+    lines.append(
+        f"graph step input padding (not in the launch): median {statistics.median(padding):.0f}"
+        f" µs, max {max(padding):.0f} µs"
+    )
     for target in result["targets"]:
         lines.append(f"{'PASS' if target['pass'] else 'MISS'}  {target['what']}: {target['value']}")
     return "\n".join(lines)
@@ -320,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table-out", default=None, help="also write the table here")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
+    parser.add_argument(
+        "--checks-only", action="store_true", help="only the correctness checks, no timings"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: GPU numbers not measured")
@@ -328,18 +471,29 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     torch.manual_seed(0)
+    if args.checks_only:
+        checks = check_triton(device)
+        for check in checks:
+            print(f"triton vs reference ({check['dtype']}): {check}")
+        pointwise = check_pointwise(device)
+        print("\n".join(pointwise_lines(pointwise)))
+        engine = check_engine(device)
+        print(f"engine, triton kernels and CUDA graphs vs reference, greedy tokens: {engine}")
+        return 0 if all(c["ok"] for c in [*checks, *pointwise, engine]) else 1
     batches = [1, 8, 64] if args.quick else [1, 4, 16, 64, 128, 256]
     contexts = [256, 1024] if args.quick else [256, 1024, 4096]
     ceiling = ceilings(args.quick)
     print(f"ceilings: {ceiling}", flush=True)
     checks = check_triton(device)
-    rows, launch_us = [], []
+    pointwise_checks = check_pointwise(device)
+    rows, launch_us, prepare_us = [], [], []
     for name in ("llama-1b", "smollm2-135m"):
-        config_rows, config_launch = measure_config(
+        config_rows, config_launch, config_prepare = measure_config(
             name, batches, contexts, args.steps, ceiling["copy_bandwidth_gb_s"]
         )
         rows += config_rows
         launch_us += config_launch
+        prepare_us += config_prepare
         torch.cuda.empty_cache()  # the config's weights and pool are garbage now
     rows += prefill_rows(args.steps)
     targets = []
@@ -368,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "ceilings": ceiling,
         "triton_check": checks,
+        "pointwise_check": pointwise_checks,
         "graph_launch_us": launch_us,
+        "graph_input_padding_us": prepare_us,
         "rows": rows,
         "targets": targets,
     }

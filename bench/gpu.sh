@@ -9,6 +9,8 @@
 #
 #   bench/gpu.sh            # full run
 #   QUICK=1 bench/gpu.sh    # a smoke run (fewer points, shorter end to end)
+#   MODEL_DIR=DIR bench/gpu.sh   # end to end on that model (default: the embedded SmolLM2);
+#                                # bench/random_checkpoint.py fills a folder with random weights
 #
 # On a machine without CUDA it says so and exits 0: nothing is measured.
 set -euo pipefail
@@ -45,7 +47,13 @@ if ! "$PYTHON" -m orcapod bench --help >/dev/null 2>&1; then
     echo "orcapod bench is not available: end-to-end run skipped"
 else
     up_log="$RESULTS_DIR/gpu_up.log"
-    "$PYTHON" -m orcapod up --port "$PORT" --worker-arg=--cuda-graphs >"$up_log" 2>&1 &
+    model_flag=()
+    if [[ -n "${MODEL_DIR:-}" ]]; then
+        model_flag=(--model "$MODEL_DIR")
+        echo "model: $MODEL_DIR"
+    fi
+    "$PYTHON" -m orcapod up --port "$PORT" ${model_flag[@]+"${model_flag[@]}"} \
+        --worker-arg=--cuda-graphs >"$up_log" 2>&1 &
     up_pid=$!
     # Stop the service (ordered shutdown on SIGTERM) however this script ends.
     trap 'kill -TERM "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true' EXIT

@@ -38,6 +38,8 @@ from gpu_worker.kv_write_triton import write_kv
 
 # Columns of the request table before each request's block table.
 QUERY_START, NUM_QUERY_TOKENS, NUM_CACHED_TOKENS, FIRST_BLOCK_COLUMN = 0, 1, 2, 3
+# A compiled kernel may read a global only when it is a constexpr.
+_FIRST_BLOCK_COLUMN_IN_KERNEL = tl.constexpr(FIRST_BLOCK_COLUMN)
 _MIN_DOT_SIZE = 16  # tl.dot needs every dimension >= 16 on NVIDIA GPUs
 
 
@@ -105,7 +107,9 @@ def _paged_attention_kernel(
         key_position = key_start + key_index  # [BLOCK_N]
         key_valid = key_position < num_keys
         block = tl.load(
-            request_row + FIRST_BLOCK_COLUMN + key_position // BLOCK_SIZE, mask=key_valid, other=0
+            request_row + _FIRST_BLOCK_COLUMN_IN_KERNEL + key_position // BLOCK_SIZE,
+            mask=key_valid,
+            other=0,
         )
         slot = block.to(tl.int64) * BLOCK_SIZE + key_position % BLOCK_SIZE  # [BLOCK_N]
         kv_offsets = slot * pool_stride_slot + head_offset

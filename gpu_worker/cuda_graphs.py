@@ -130,17 +130,27 @@ class DecodeGraphRunner:
             kv_cache.num_blocks, -(-model.config.max_position_embeddings // block_size)
         )
         device = model.device
-        self._token_inputs = torch.zeros((3, max_bucket), dtype=torch.int64, device=device)
-        self._token_inputs[SLOT] = PADDING_SLOT
+        token_inputs = torch.zeros((3, max_bucket), dtype=torch.int64)
+        token_inputs[SLOT] = PADDING_SLOT
         requests = np.zeros(
             (max_bucket, FIRST_BLOCK_COLUMN + self.max_blocks_per_request), np.int32
         )
         requests[:, QUERY_START] = np.arange(max_bucket)
         requests[:, NUM_QUERY_TOKENS] = 1
-        self._requests = torch.from_numpy(requests).to(device)
+        # Host staging for the two inputs that change every step (page-locked on CUDA, so
+        # the copies are asynchronous and the CPU goes straight on to the replay), and the
+        # device buffers the graphs read.
+        pinned = device.type == "cuda"
+        self._host_token_inputs = token_inputs.pin_memory() if pinned else token_inputs
+        self._host_requests = torch.from_numpy(requests)
+        if pinned:
+            self._host_requests = self._host_requests.pin_memory()
+        self._token_inputs = self._host_token_inputs.to(device, copy=True)
+        self._requests = self._host_requests.to(device, copy=True)
         tiles = np.stack([np.arange(max_bucket), np.zeros(max_bucket)], axis=1).astype(np.int32)
         self._tiles = torch.from_numpy(tiles).to(device)  # [max_bucket, 2]: tile i = request i
         self._logits_rows = torch.arange(max_bucket, dtype=torch.int64, device=device)
+        self._inputs_copied = torch.cuda.Event() if pinned else None
         self._captured: dict[int, _CapturedStep] = {}
         if capture_graphs:
             self._capture()
@@ -166,10 +176,16 @@ class DecodeGraphRunner:
         """
         padded = pad_decode_step(token_ids, positions, slots, layout, self.buckets)
         bucket, width = padded.bucket, padded.requests.shape[1]
-        # From pageable host memory these copies finish before returning, so the
-        # numpy arrays may be dropped at once; they are a few KB each.
-        self._token_inputs[:, :bucket].copy_(torch.from_numpy(padded.token_inputs))
-        self._requests[:bucket, :width].copy_(torch.from_numpy(padded.requests))
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the last step's copies have read the staging
+        self._host_token_inputs.numpy()[:, :bucket] = padded.token_inputs
+        self._host_requests.numpy()[:bucket, :width] = padded.requests
+        # Whole rows, so each copy is one contiguous transfer; what lies beyond a row's
+        # blocks, or beyond the bucket, is never read by this bucket's graph.
+        self._token_inputs.copy_(self._host_token_inputs, non_blocking=True)
+        self._requests[:bucket].copy_(self._host_requests[:bucket], non_blocking=True)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
         captured = self._captured.get(bucket)
         if captured is None:
             logits = self._forward(bucket)

@@ -13,28 +13,29 @@ import torch.nn.functional as F
 from gpu_worker.attention import AttentionBackend, kv_writer
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.rotary import RotaryEmbedding, apply_rotary
+from gpu_worker.pointwise import PointwiseOps, default_pointwise_name, make_pointwise
+from gpu_worker.rotary import RotaryEmbedding
 from gpu_worker.weights import ModelWeights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as the reference implementation does."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
 
 
 class LlamaModel:
     """Weights plus the forward pass; K/V lives in a ``PagedKVCache`` passed in."""
 
     def __init__(
-        self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        device: torch.device,
+        dtype: torch.dtype,
+        pointwise: PointwiseOps | None = None,
     ) -> None:
+        """``pointwise``: the norms, RoPE and SwiGLU (default: Triton kernels on CUDA)."""
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.rotary = RotaryEmbedding(config, device, dtype)
+        self.pointwise = pointwise or make_pointwise(default_pointwise_name(device))
 
     @torch.inference_mode()
     def forward(
@@ -52,25 +53,24 @@ class LlamaModel:
         token_ids, positions, slot_mapping: ``[T]``; each token's K/V is written
         to its slot before attention reads the pool.
         """
-        config = self.config
-        num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        cos, sin = self.rotary.tables(positions)  # [T, 1, head_dim]
+        config, ops, eps = self.config, self.pointwise, self.config.rms_norm_eps
+        rotary_inputs = ops.rotary_inputs(self.rotary, positions)
         hidden = self.weights.embed_tokens[token_ids]  # [T, hidden]
         write_kv = kv_writer(backend)
+        # The residual stream is hidden + delta: each add is fused into the next norm.
+        delta: torch.Tensor | None = None
         for index, layer in enumerate(self.weights.layers):
-            x = rms_norm(hidden, layer.input_norm, config.rms_norm_eps)
+            hidden, x = ops.add_rms_norm(hidden, delta, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
-            query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            query = apply_rotary(query.view(-1, num_heads, head_dim), cos, sin)
-            key = apply_rotary(key.view(-1, num_kv_heads, head_dim), cos, sin)
             layer_keys, layer_values = kv_cache.keys[index], kv_cache.values[index]
-            value = value.view(-1, num_kv_heads, head_dim)
-            write_kv(layer_keys, layer_values, slot_mapping, key, value)
+            query = ops.rope_and_store_kv(
+                qkv, config.num_heads, config.num_kv_heads, rotary_inputs,
+                slot_mapping, layer_keys, layer_values, write_kv,
+            )  # fmt: skip
             attended = backend.attend(query, layer_keys, layer_values, attention_plan)
-            hidden = hidden + F.linear(attended.reshape(-1, q_size), layer.o_proj)
-            x = rms_norm(hidden, layer.post_attention_norm, config.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)  # [T, intermediate] each
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
-        last = rms_norm(hidden[logits_rows], self.weights.final_norm, config.rms_norm_eps)
+            delta = F.linear(attended.reshape(len(query), -1), layer.o_proj)
+            hidden, x = ops.add_rms_norm(hidden, delta, layer.post_attention_norm, eps)
+            delta = F.linear(ops.silu_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+        rows_delta = None if delta is None else delta[logits_rows]
+        _, last = ops.add_rms_norm(hidden[logits_rows], rows_delta, self.weights.final_norm, eps)
         return F.linear(last, self.weights.lm_head).float()  # [rows, vocab]

@@ -73,8 +73,9 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def check_model_directory(model_dir: Path) -> None:
-    """Raise ModelLoadError naming whatever a model directory lacks."""
+def check_model_directory(model_dir: Path, *, with_weights: bool = True) -> None:
+    """Raise ModelLoadError naming whatever a model directory lacks (but the weights,
+    ``with_weights=False``)."""
     if not model_dir.is_dir():
         raise ModelLoadError(
             f"model directory {model_dir} does not exist "
@@ -82,7 +83,7 @@ def check_model_directory(model_dir: Path) -> None:
             "Face-format Llama directory)"
         )
     missing = [name for name in REQUIRED_FILES if not (model_dir / name).is_file()]
-    if not any(model_dir.glob("*.safetensors")):
+    if with_weights and not any(model_dir.glob("*.safetensors")):
         missing.append("*.safetensors (the weights)")
     if missing:
         raise ModelLoadError(f"{model_dir} is not a model directory: missing {', '.join(missing)}")
@@ -119,9 +120,9 @@ def _end_of_turn_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
+def load_model_config(model_dir: Path, *, with_weights: bool = True) -> ModelConfig:
     """Read config.json (and generation_config.json for stop tokens)."""
-    check_model_directory(model_dir)
+    check_model_directory(model_dir, with_weights=with_weights)
     raw = _read_json(model_dir / "config.json")
     architectures = raw.get("architectures") or []
     model_type = raw.get("model_type")

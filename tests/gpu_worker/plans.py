@@ -25,7 +25,7 @@ class Job:
 
 def run_jobs(engine: Engine, jobs: list[Job], max_steps: int = 10_000) -> list[StepOutput]:
     """Step the engine until every job finishes; each step mixes prefill chunks and decodes."""
-    outputs = []
+    outputs: list[StepOutput] = []
     for step_index in range(max_steps):
         if all(job.finish_reason for job in jobs):
             return outputs
