@@ -444,6 +444,12 @@ def table(result: dict[str, Any]) -> str:
             f"{'OK' if check['ok'] else 'FAIL'}"
         )
     lines += pointwise_lines(result["pointwise_check"])
+    engine = result["engine_check"]
+    lines.append(
+        f"engine, triton kernels and CUDA graphs vs reference attention and torch ops, greedy "
+        f"(fp32): {engine['num_tokens']} tokens, same: {engine['same_tokens']}, graphs used: "
+        f"{engine['cuda_graphs']} {'OK' if engine['ok'] else 'FAIL'}"
+    )
     padding = result["graph_input_padding_us"]
     lines.append(
         f"graph step input padding (not in the launch): median {statistics.median(padding):.0f}"
@@ -486,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceilings: {ceiling}", flush=True)
     checks = check_triton(device)
     pointwise_checks = check_pointwise(device)
+    engine_check = check_engine(device)
+    print(f"engine check: {engine_check}", flush=True)
     rows, launch_us, prepare_us = [], [], []
     for name in ("llama-1b", "smollm2-135m"):
         config_rows, config_launch, config_prepare = measure_config(
@@ -523,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceiling,
         "triton_check": checks,
         "pointwise_check": pointwise_checks,
+        "engine_check": engine_check,
         "graph_launch_us": launch_us,
         "graph_input_padding_us": prepare_us,
         "rows": rows,

@@ -130,23 +130,28 @@ class DecodeGraphRunner:
             kv_cache.num_blocks, -(-model.config.max_position_embeddings // block_size)
         )
         device = model.device
-        token_inputs = torch.zeros((3, max_bucket), dtype=torch.int64)
-        token_inputs[SLOT] = PADDING_SLOT
-        requests = np.zeros(
-            (max_bucket, FIRST_BLOCK_COLUMN + self.max_blocks_per_request), np.int32
+        if kv_cache.num_blocks * block_size >= 2**31:
+            raise GraphUnavailableError("the K/V pool has too many slots for int32 slot ids")
+        # Every input that changes between steps lives in one int32 buffer, so a step
+        # is one copy: token ids, positions and slots ([3, max_bucket]), then the
+        # Triton request table ([max_bucket, 3 + max_blocks]). The host copy is
+        # page-locked on CUDA, so the copy is asynchronous and the CPU goes straight on
+        # to the replay.
+        row_width = FIRST_BLOCK_COLUMN + self.max_blocks_per_request
+        self._num_token_entries = 3 * max_bucket
+        self._row_width = row_width
+        host_inputs = torch.zeros(
+            self._num_token_entries + max_bucket * row_width, dtype=torch.int32
         )
-        requests[:, QUERY_START] = np.arange(max_bucket)
-        requests[:, NUM_QUERY_TOKENS] = 1
-        # Host staging for the two inputs that change every step (page-locked on CUDA, so
-        # the copies are asynchronous and the CPU goes straight on to the replay), and the
-        # device buffers the graphs read.
         pinned = device.type == "cuda"
-        self._host_token_inputs = token_inputs.pin_memory() if pinned else token_inputs
-        self._host_requests = torch.from_numpy(requests)
-        if pinned:
-            self._host_requests = self._host_requests.pin_memory()
-        self._token_inputs = self._host_token_inputs.to(device, copy=True)
-        self._requests = self._host_requests.to(device, copy=True)
+        self._host_inputs = host_inputs.pin_memory() if pinned else host_inputs
+        host_tokens, host_requests = self._split_inputs(self._host_inputs)
+        self._host_tokens, self._host_requests = host_tokens.numpy(), host_requests.numpy()
+        self._host_tokens[SLOT] = PADDING_SLOT
+        self._host_requests[:, QUERY_START] = np.arange(max_bucket)
+        self._host_requests[:, NUM_QUERY_TOKENS] = 1
+        self._inputs = self._host_inputs.to(device, copy=True)
+        self._token_inputs, self._requests = self._split_inputs(self._inputs)
         tiles = np.stack([np.arange(max_bucket), np.zeros(max_bucket)], axis=1).astype(np.int32)
         self._tiles = torch.from_numpy(tiles).to(device)  # [max_bucket, 2]: tile i = request i
         self._logits_rows = torch.arange(max_bucket, dtype=torch.int64, device=device)
@@ -154,6 +159,13 @@ class DecodeGraphRunner:
         self._captured: dict[int, _CapturedStep] = {}
         if capture_graphs:
             self._capture()
+
+    def _split_inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the flat input buffer: token inputs [3, max_bucket] and the request
+        table [max_bucket, row width]."""
+        tokens = inputs[: self._num_token_entries].view(3, -1)
+        requests = inputs[self._num_token_entries :].view(-1, self._row_width)
+        return tokens, requests
 
     def fits(self, layout: list[SequenceLayout]) -> bool:
         """Whether this decode-only step has a bucket and its block tables fit the buffers."""
@@ -177,13 +189,13 @@ class DecodeGraphRunner:
         padded = pad_decode_step(token_ids, positions, slots, layout, self.buckets)
         bucket, width = padded.bucket, padded.requests.shape[1]
         if self._inputs_copied is not None:
-            self._inputs_copied.synchronize()  # the last step's copies have read the staging
-        self._host_token_inputs.numpy()[:, :bucket] = padded.token_inputs
-        self._host_requests.numpy()[:bucket, :width] = padded.requests
-        # Whole rows, so each copy is one contiguous transfer; what lies beyond a row's
-        # blocks, or beyond the bucket, is never read by this bucket's graph.
-        self._token_inputs.copy_(self._host_token_inputs, non_blocking=True)
-        self._requests[:bucket].copy_(self._host_requests[:bucket], non_blocking=True)
+            self._inputs_copied.synchronize()  # the last step's copy has read the staging
+        self._host_tokens[:, :bucket] = padded.token_inputs
+        self._host_requests[:bucket, :width] = padded.requests
+        # Whole rows: one contiguous transfer. What lies beyond a row's blocks, or
+        # beyond the bucket, is never read by this bucket's graph.
+        num_entries = self._num_token_entries + bucket * self._row_width
+        self._inputs[:num_entries].copy_(self._host_inputs[:num_entries], non_blocking=True)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         captured = self._captured.get(bucket)

@@ -83,10 +83,10 @@ def _rotate_heads(
 @triton.jit
 def _rope_and_store_kv_kernel(
     qkv_ptr,  # [T, (NUM_HEADS + 2 NUM_KV_HEADS) * HEAD_DIM]
-    positions_ptr,  # [T] int64
+    positions_ptr,  # [T] int64 or int32 (CUDA-graph inputs)
     cos_ptr,  # [max_positions, HEAD_DIM]
     sin_ptr,  # [max_positions, HEAD_DIM]
-    slot_mapping_ptr,  # [T] int64; negative: store nothing
+    slot_mapping_ptr,  # [T] int64 or int32; negative: store nothing
     query_ptr,  # [T, NUM_HEADS, HEAD_DIM] out
     key_pool_ptr,  # [slots, NUM_KV_HEADS, HEAD_DIM]
     value_pool_ptr,  # [slots, NUM_KV_HEADS, HEAD_DIM]
@@ -102,7 +102,7 @@ def _rope_and_store_kv_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
+    position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PADDED)[None, :]
     half = HEAD_DIM // 2
     partner = tl.where(dims < half, dims + half, dims - half)
@@ -120,7 +120,7 @@ def _rope_and_store_kv_kernel(
     query_out = query_ptr + token * (NUM_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
     tl.store(query_out, query, mask=query_mask)
 
-    slot = tl.load(slot_mapping_ptr + token)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         kv_heads = tl.arange(0, KV_HEADS_PADDED)[:, None]
         key, kv_mask = _rotate_heads(

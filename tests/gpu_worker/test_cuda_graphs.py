@@ -32,6 +32,8 @@ from gpu_worker.cuda_graphs import (
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
 from gpu_worker.kv_write_triton import PADDING_SLOT
+from gpu_worker.llama import LlamaModel
+from gpu_worker.pointwise import make_pointwise
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 
 CPU = torch.device("cpu")
@@ -96,9 +98,12 @@ def test_engine_ignores_cuda_graphs_on_the_cpu(model):
     assert not engine.uses_cuda_graphs
 
 
-def test_static_buffer_decode_matches_the_eager_step(model):
-    """What a graph replays: padded static buffers give the eager forward's logits,
-    write exactly the real rows' K/V, and leave the buffers ready for a smaller batch."""
+@pytest.mark.parametrize("pointwise", ["torch", "triton"])
+def test_static_buffer_decode_matches_the_eager_step(model, pointwise):
+    """What a graph replays: padded static buffers (int32, one copy) give the eager
+    forward's logits, write exactly the real rows' K/V, and leave the buffers ready for a
+    smaller batch; with either pointwise ops (the Triton ones are the CUDA default)."""
+    model = LlamaModel(model.config, model.weights, CPU, model.dtype, make_pointwise(pointwise))
     rng = random.Random(0)
     block_size, num_blocks = 4, 48
     backend = make_backend("triton", model.dtype)
