@@ -209,8 +209,7 @@ def check_engine(device: torch.device) -> Row:
     SmolLM2's shape, random weights). Mixed steps run eagerly, decode-only steps replay."""
     from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget
-    from shared.messages import SamplingParams
-    from tests.gpu_worker.plans import Job, run_jobs
+    from tests.gpu_worker.plans import random_jobs, run_jobs
 
     config = llama_config("smollm2-135m")
     weights = random_weights(config, device, torch.float32)
@@ -220,18 +219,7 @@ def check_engine(device: torch.device) -> Row:
         model = LlamaModel(config, weights, device, torch.float32, pointwise)
         budget = KVCacheBudget(num_bytes=256 << 20, block_size=BLOCK_SIZE)
         engine = Engine(model, budget, name, use_cuda_graphs=name == "triton")
-        rng = random.Random(3)
-        jobs = [
-            Job(
-                request_id=f"r{i}",
-                prompt_ids=[rng.randrange(3, 40000) for _ in range(rng.randrange(1, 60))],
-                sampling=SamplingParams(max_tokens=rng.randrange(8, 40), temperature=0.0,
-                                        ignore_eos=True),
-                join_step=rng.randrange(0, 12),
-                chunk_size=rng.choice([7, 16, 1000]),
-            )
-            for i in range(12)
-        ]  # fmt: skip
+        jobs = random_jobs(3, 12, 40000, 60, (8, 40), 12, (7, 16, 1000))
         outputs = run_jobs(engine, jobs)
         generated[name] = [job.generated_ids for job in jobs]
         if name == "triton":

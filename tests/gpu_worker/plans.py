@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from gpu_worker.engine import Engine
@@ -21,6 +22,35 @@ class Job:
     finish_reason: str | None = None
     num_prefilled: int = 0
     admitted: bool = False
+
+
+def random_jobs(
+    seed: int,
+    num_jobs: int,
+    vocab_size: int,
+    max_prompt_tokens: int,
+    max_tokens: tuple[int, int],
+    max_join_step: int,
+    chunk_sizes: tuple[int, ...],
+) -> list[Job]:
+    """Greedy jobs with random prompts (ids 3.. below ``vocab_size``), answer lengths in
+    ``max_tokens`` [low, high), joins in [0, max_join_step) and chunk sizes; the same
+    jobs for the same seed."""
+    rng = random.Random(seed)
+    return [
+        Job(
+            request_id=f"r{i}",
+            prompt_ids=[
+                rng.randrange(3, vocab_size) for _ in range(rng.randrange(1, max_prompt_tokens))
+            ],
+            sampling=SamplingParams(
+                max_tokens=rng.randrange(*max_tokens), temperature=0.0, ignore_eos=True
+            ),
+            join_step=rng.randrange(0, max_join_step),
+            chunk_size=rng.choice(chunk_sizes),
+        )
+        for i in range(num_jobs)
+    ]
 
 
 def run_jobs(engine: Engine, jobs: list[Job], max_steps: int = 10_000) -> list[StepOutput]:

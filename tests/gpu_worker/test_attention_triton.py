@@ -36,8 +36,7 @@ from gpu_worker.attention_triton import (
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.kv_write_triton import PADDING_SLOT, write_kv
-from shared.messages import SamplingParams
-from tests.gpu_worker.plans import Job, run_jobs
+from tests.gpu_worker.plans import Job, random_jobs, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 
 CPU = torch.device("cpu")
@@ -216,20 +215,9 @@ def test_bad_tile_sizes_are_rejected():
 def test_engine_with_triton_gives_the_reference_greedy_tokens(tmp_path):
     """Staggered joins, chunked prompts and decodes in the same steps, both K/V writers."""
     model = load_model(write_tiny_model(tmp_path / "tiny", "llama"), device="cpu", dtype="float32")
-    rng = random.Random(2)
 
     def jobs() -> list[Job]:
-        rng.seed(2)
-        return [
-            Job(
-                request_id=f"r{i}",
-                prompt_ids=[rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(rng.randrange(1, 14))],
-                sampling=SamplingParams(max_tokens=rng.randrange(2, 5), ignore_eos=True),
-                join_step=rng.randrange(0, 3),
-                chunk_size=rng.choice([3, 5, 100]),
-            )
-            for i in range(4)
-        ]
+        return random_jobs(2, 4, TINY_VOCAB_SIZE, 14, (2, 5), 3, (3, 5, 100))
 
     generated = {}
     for backend in ("reference", "triton"):

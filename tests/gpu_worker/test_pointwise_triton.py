@@ -11,7 +11,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import random
 
 import pytest
 import torch
@@ -25,8 +24,7 @@ from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.pointwise import TorchPointwise, default_pointwise_name, make_pointwise
 from gpu_worker.pointwise_triton import TritonPointwise
 from gpu_worker.rotary import RotaryEmbedding
-from shared.messages import SamplingParams
-from tests.gpu_worker.plans import Job, run_jobs
+from tests.gpu_worker.plans import Job, random_jobs, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 
 CPU = torch.device("cpu")
@@ -131,20 +129,9 @@ def test_forward_and_engine_with_triton_pointwise_match_torch(tmp_path):
     triton_model = LlamaModel(
         torch_model.config, torch_model.weights, CPU, torch.float32, make_pointwise("triton")
     )
-    rng = random.Random(5)
 
     def jobs() -> list[Job]:
-        rng.seed(5)
-        return [
-            Job(
-                request_id=f"r{i}",
-                prompt_ids=[rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(rng.randrange(1, 14))],
-                sampling=SamplingParams(max_tokens=rng.randrange(2, 6), ignore_eos=True),
-                join_step=rng.randrange(0, 3),
-                chunk_size=rng.choice([3, 5, 100]),
-            )
-            for i in range(4)
-        ]
+        return random_jobs(5, 4, TINY_VOCAB_SIZE, 14, (2, 6), 3, (3, 5, 100))
 
     generated = {}
     for name, model, backend in (
