@@ -22,7 +22,7 @@ def _write_kv_kernel(
     value_ptr,  # [T, kv_heads, head_dim]
     key_pool_ptr,  # [slots, kv_heads, head_dim]
     value_pool_ptr,  # [slots, kv_heads, head_dim]
-    slot_mapping_ptr,  # [T] int64
+    slot_mapping_ptr,  # [T] int64, or int32 (CUDA-graph inputs)
     key_stride_token,
     key_stride_head,
     value_stride_token,
