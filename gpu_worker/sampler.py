@@ -4,15 +4,28 @@ Randomness is per request and per token: the token at generation index i
 draws from a generator seeded by ``mix(seed, i)``. A request's tokens thus do
 not depend on which other requests share its batch, and a request recomputed
 after a preemption or a lost worker draws exactly what it would have.
+
+Every value the protocol admits is defined here (the limits are in
+``shared/messages.py``): a temperature below ``GREEDY_TEMPERATURE_EPSILON``
+is greedy, the filters run in float64 (logits up to fp32's largest divided by
+the smallest sampled temperature stay finite, and a top_p far below fp32's
+smallest still compares as itself), the top token always survives top_p, and
+top_k at or past the vocabulary is no filter. What cannot be sampled — a row
+with a NaN or +inf, or with every logit -inf — is that row's
+``SamplingError``; the other rows get their tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import GREEDY_TEMPERATURE_EPSILON, SamplingParams
 
 _MASK64 = (1 << 64) - 1
+
+
+class SamplingError(ValueError):
+    """A row's logits hold nothing to sample from (a numeric blow-up upstream)."""
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -23,18 +36,29 @@ def mix_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether the request takes the argmax (``not >=`` also catches a NaN)."""
+    return not params.temperature >= GREEDY_TEMPERATURE_EPSILON
+
+
 def filtered_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of ``logits`` [vocab] after temperature, top-k and top-p."""
-    scaled = logits / params.temperature
+    """Softmax (float64) of ``logits`` [vocab] after temperature, top-k and top-p.
+
+    ``logits`` must have a finite maximum and no NaN (``sample`` checks);
+    the result then sums to 1 with the top token's probability > 0.
+    """
+    scaled = logits.double() / max(params.temperature, GREEDY_TEMPERATURE_EPSILON)
     if 0 < params.top_k < scaled.shape[-1]:
         kth_largest = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token once the mass before it already reaches top_p (the top one always stays).
+        # Drop a token once the mass before it already reaches top_p.
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        # The top token stays whatever top_p is (rounding must not empty the set).
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled.softmax(-1)
@@ -42,11 +66,18 @@ def filtered_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]
-) -> list[int]:
-    """One token per row of ``logits`` [N, vocab] (fp32)."""
-    token_ids = logits.argmax(dim=-1).tolist()  # greedy rows are done in one op
+) -> list[int | SamplingError]:
+    """One token per row of ``logits`` [N, vocab], or that row's SamplingError."""
+    # One pass over the batch for the argmax and the rows that cannot be sampled.
+    has_nan_or_inf = (logits.isnan() | (logits == float("inf"))).any(dim=-1)  # [N]
+    has_finite = (logits > float("-inf")).any(dim=-1)  # [N]
+    usable = (has_finite & ~has_nan_or_inf).tolist()
+    token_ids: list[int | SamplingError] = list(logits.argmax(dim=-1).tolist())
     for row, (row_params, seed, index) in enumerate(zip(params, seeds, indices, strict=True)):
-        if row_params.temperature <= 0:
+        if not usable[row]:
+            token_ids[row] = SamplingError("the model's output for this request was not finite")
+            continue
+        if is_greedy(row_params):
             continue
         probabilities = filtered_probabilities(logits[row], row_params)
         generator = torch.Generator(device=logits.device).manual_seed(mix_seed(seed, index))

@@ -20,6 +20,18 @@ WIRE_VERSION = 1
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
+# The sampling values the service admits and what the sampler does with them
+# (one place, cited by docs/architecture.md; gpu_worker/sampler.py applies them).
+# A temperature below GREEDY_TEMPERATURE_EPSILON samples greedily: dividing
+# logits by it would overflow to inf (the softmax then is NaN), and a
+# distribution that sharp is the argmax anyway (vLLM uses the same 1e-5).
+GREEDY_TEMPERATURE_EPSILON = 1e-5
+MAX_TEMPERATURE = 100.0
+# top_p lies in (0, 1]; the most likely token is always kept, however small top_p is.
+# top_k lies in [0, MAX_TOP_K]; 0, or any value >= the vocabulary, is no filter.
+MAX_TOP_K = 2**63 - 1
+MAX_SEED = 2**63 - 1
+
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to pick each next token of one request.

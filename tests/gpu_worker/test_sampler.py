@@ -25,11 +25,11 @@ def test_greedy_takes_the_argmax():
 def test_top_k_keeps_the_k_most_likely():
     probabilities = filtered_probabilities(LOGITS, SamplingParams(temperature=1.0, top_k=2))
     assert (probabilities[2:] == 0).all()
-    assert torch.allclose(probabilities[:2], LOGITS[:2].softmax(-1))
+    assert torch.allclose(probabilities[:2], LOGITS[:2].double().softmax(-1))
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
-    full = LOGITS.softmax(-1)  # about 0.64, 0.24, 0.09, 0.03, 0.01
+    full = LOGITS.double().softmax(-1)  # about 0.64, 0.24, 0.09, 0.03, 0.01
     probabilities = filtered_probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=0.8))
     assert (probabilities[:2] > 0).all() and (probabilities[2:] == 0).all()
     assert torch.allclose(probabilities[:2], full[:2] / full[:2].sum())
