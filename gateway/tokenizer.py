@@ -9,6 +9,8 @@ check this module agrees with it.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -38,10 +40,31 @@ class ChatTemplateError(ValueError):
 
 
 class ChatTokenizer:
-    """Tokenizer plus chat template of one model; immutable once loaded, safe to share."""
+    """Tokenizer plus chat template of one model; immutable once loaded, safe to share.
+
+    Safe to call from several threads at once: ``tokenizers.Tokenizer.encode``
+    and ``decode`` take the tokenizer by shared reference (only its setters
+    need it exclusively, and none is called after ``__init__``), and a jinja
+    template's ``render`` builds a fresh context per call.
+    """
 
     def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
         self._tokenizer = tokenizer
+        # A second tokenizer that reads special-token text as plain text, for the
+        # clients' message contents. A copy, because the flag is a setter on the
+        # tokenizer: flipping it per call would race between threads.
+        self._plain_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self._plain_tokenizer.encode_special_tokens = True
+        self._special_token_ids = frozenset(
+            token_id
+            for token_id, added in tokenizer.get_added_tokens_decoder().items()
+            if added.special
+        )
+        self._special_token_texts = tuple(
+            added.content
+            for added in tokenizer.get_added_tokens_decoder().values()
+            if added.special
+        )
         self._config = config
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
@@ -95,6 +118,92 @@ class ChatTokenizer:
             )
         except TemplateError as error:
             raise ChatTemplateError(f"chat template failed: {error}") from error
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat, with each message's content encoded as plain text.
+
+        The template's own special tokens (``<|im_start|>``, say) become their
+        ids; special-token text inside a content stays text, so a client cannot
+        write a turn of its own into the prompt. Raises :class:`ChatTemplateError`.
+        """
+        pieces = self._render_pieces(messages, add_generation_prompt)
+        if pieces is None:
+            # The template does not copy contents verbatim (it trims them, say), so
+            # they cannot be told apart in the prompt: refuse only what could inject.
+            for message in messages:
+                if any(special in message["content"] for special in self._special_token_texts):
+                    raise ChatTemplateError(
+                        "message content holds a special token, which this model's chat "
+                        "template cannot keep as text"
+                    )
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            return self.encode(text, add_special_tokens=False)
+        # Text between two special tokens of the template, contents included, is
+        # encoded as one run: the tokenizer splits at special tokens before
+        # anything else, so a conversation without special-token text in its
+        # contents gets exactly the ids of encoding the rendered prompt whole.
+        token_ids: list[int] = []
+        run: list[str] = []
+        for index, piece in enumerate(pieces):
+            if index % 2 == 1:  # a content
+                run.append(piece)
+                continue
+            for part in self._split_at_special_tokens(piece):
+                if isinstance(part, int):
+                    token_ids += self._encode_plain("".join(run))
+                    token_ids.append(part)
+                    run = []
+                else:
+                    run.append(part)
+        token_ids += self._encode_plain("".join(run))
+        return token_ids
+
+    def _render_pieces(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool
+    ) -> list[str] | None:
+        """The prompt as [template, content, template, content, ..., template], or None
+        when the template does not copy each content verbatim exactly once."""
+        nonce = secrets.token_hex(8)
+        # Private-use characters around a random nonce: no client text can hold one by
+        # chance, and a template has no reason to alter them.
+        sentinels = [f"\ue000{nonce}:{index}\ue001" for index in range(len(messages))]
+        rendered = self.apply_chat_template(
+            [
+                {**message, "content": sentinel}
+                for message, sentinel in zip(messages, sentinels, strict=True)
+            ],
+            add_generation_prompt,
+        )
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        # parts: template text, then (sentinel index, template text) pairs.
+        order = [int(index) for index in parts[1::2]]
+        if sorted(order) != list(range(len(messages))):
+            return None
+        pieces: list[str] = [parts[0]]
+        for index, template_text in zip(order, parts[2::2], strict=True):
+            pieces += [messages[index]["content"], template_text]
+        # A template that transforms contents (trim, upper) still places sentinels
+        # verbatim: only the real render shows whether the contents went in unchanged.
+        if "".join(pieces) != self.apply_chat_template(messages, add_generation_prompt):
+            return None
+        return pieces
+
+    def _split_at_special_tokens(self, text: str) -> list[str | int]:
+        """``text`` as plain strings and special-token ids, matched the tokenizer's own way."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        parts: list[str | int] = []
+        position = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in self._special_token_ids:
+                parts += [text[position:start], token_id]
+                position = end
+        parts.append(text[position:])
+        return [part for part in parts if part != ""]
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._plain_tokenizer.encode(text, add_special_tokens=False).ids if text else []
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; special tokens written in it become their single ids.

@@ -1,20 +1,24 @@
 """Turn a client's ``generate`` into prompt ids and sampling parameters, or a typed error.
 
-Pure: the tokenizer and the model's limits are passed in. Every check that can
-fail raises :class:`RequestValidationError` carrying the protocol error code,
-so the caller only has to turn it into an ``error`` frame.
+Pure: the tokenizer and the limits are passed in. Every check that can fail
+raises :class:`RequestValidationError` carrying the protocol error code, so the
+caller only has to turn it into an ``error`` frame. Two steps, so the caller can
+run the second off its event loop: :func:`check_generate` (cheap, bounded by
+the frame: sizes, counts, ranges) and :func:`tokenize_generate` (chat template
+and tokenizer, over at most ``max_prompt_chars`` characters).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.tokenizer import ChatTemplateError, ChatTokenizer
 from shared.messages import SamplingParams
-from shared.protocol import ErrorCode, Generate
+from shared.protocol import PROTOCOL_LIMITS, ErrorCode, Generate, ProtocolLimits
 
 MODEL_CONFIG_FILE_NAME = "config.json"
 
@@ -30,28 +34,40 @@ class RequestValidationError(ValueError):
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What one model can take: its context and vocabulary, and the gateway's max_tokens cap."""
+    """What one model can take (context, vocabulary), the gateway's max_tokens cap and
+    the protocol's caps."""
 
     context_tokens: int
+    # Every id below it has an embedding row and a token the detokenizer knows.
     vocab_size: int
     max_tokens_limit: int
+    protocol: ProtocolLimits = field(default=PROTOCOL_LIMITS)
 
     @classmethod
     def from_model_dir(
         cls, model_dir: Path | str, vocab_size: int, max_tokens_limit: int
     ) -> ModelLimits:
-        """Read ``max_position_embeddings`` from the model's ``config.json``.
+        """Read the context and vocabulary size from the model's ``config.json``.
 
-        Read as plain JSON: the gateway never imports the worker's model code.
+        ``vocab_size`` is the tokenizer's; the limit is the smaller of it and the
+        model's: an id the tokenizer has but the embedding lacks would index past
+        the embedding on the worker, one the embedding has but the tokenizer lacks
+        cannot be detokenized. Read as plain JSON: the gateway never imports the
+        worker's model code.
         """
         config_path = Path(model_dir) / MODEL_CONFIG_FILE_NAME
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
             context_tokens = int(config["max_position_embeddings"])
+            model_vocab_size = int(config["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"cannot read max_position_embeddings from {config_path}") from error
+            raise ValueError(
+                f"cannot read max_position_embeddings and vocab_size from {config_path}"
+            ) from error
         return cls(
-            context_tokens=context_tokens, vocab_size=vocab_size, max_tokens_limit=max_tokens_limit
+            context_tokens=context_tokens,
+            vocab_size=min(vocab_size, model_vocab_size),
+            max_tokens_limit=max_tokens_limit,
         )
 
 
@@ -66,32 +82,32 @@ class ValidatedRequest:
 def validate_generate(
     generate: Generate, tokenizer: ChatTokenizer, limits: ModelLimits
 ) -> ValidatedRequest:
-    """Tokenize ``generate``'s prompt and check it against ``limits``.
+    """:func:`check_generate`, then :func:`tokenize_generate`."""
+    check_generate(generate, limits)
+    return tokenize_generate(generate, tokenizer, limits)
 
-    Cheap checks run before tokenizing, so a request refused for its
-    parameters never pays for the chat template.
+
+def check_generate(generate: Generate, limits: ModelLimits) -> None:
+    """Every check that needs no tokenizer; raises :class:`RequestValidationError`.
+
+    Its cost is linear in the frame, so it can run on the event loop; a request
+    it refuses never pays for the chat template.
     """
-    given = [
-        name
-        for name, value in (
-            ("messages", generate.messages),
-            ("prompt", generate.prompt),
-            ("prompt_token_ids", generate.prompt_token_ids),
-        )
-        if value is not None
-    ]
-    if len(given) != 1:
-        raise RequestValidationError(
-            "invalid_request",
-            "give exactly one of `messages`, `prompt`, `prompt_token_ids`"
-            + (f" (got {', '.join(given)})" if given else ""),
-        )
-    if generate.max_tokens > limits.max_tokens_limit:
-        raise RequestValidationError(
-            "invalid_request",
-            f"max_tokens {generate.max_tokens} is over the limit of {limits.max_tokens_limit}",
-        )
-    prompt_ids = _prompt_ids(generate, tokenizer, limits)
+    _check_prompt_form(generate, limits)
+    _check_sampling(generate, limits)
+    _check_stop(generate.stop, limits.protocol)
+
+
+def tokenize_generate(
+    generate: Generate, tokenizer: ChatTokenizer, limits: ModelLimits
+) -> ValidatedRequest:
+    """Render and tokenize the prompt of a ``generate`` that passed :func:`check_generate`,
+    and check it fits the context; raises :class:`RequestValidationError`.
+
+    Safe to call from a worker thread: it reads only its arguments, and the
+    tokenizer is thread-safe (:class:`ChatTokenizer`).
+    """
+    prompt_ids = _prompt_ids(generate, tokenizer)
     if not prompt_ids:
         raise RequestValidationError("invalid_request", "the prompt is empty")
     num_tokens = len(prompt_ids) + generate.max_tokens
@@ -102,7 +118,8 @@ def validate_generate(
             f"that is {num_tokens}, over the model's context of {limits.context_tokens}",
         )
     sampling = SamplingParams(
-        temperature=generate.temperature,
+        # + 0.0 makes -0.0 plain 0.0 (greedy): no sampler has to know a signed zero.
+        temperature=generate.temperature + 0.0,
         top_p=generate.top_p,
         top_k=generate.top_k,
         # A seed for every request: token i then depends only on (seed, i), so a
@@ -116,25 +133,131 @@ def validate_generate(
     return ValidatedRequest(prompt_ids=prompt_ids, sampling=sampling)
 
 
-def _prompt_ids(generate: Generate, tokenizer: ChatTokenizer, limits: ModelLimits) -> list[int]:
+def _invalid(message: str) -> RequestValidationError:
+    return RequestValidationError("invalid_request", message)
+
+
+def _check_prompt_form(generate: Generate, limits: ModelLimits) -> None:
+    """Exactly one prompt form, within its caps."""
+    protocol = limits.protocol
+    given = [
+        name
+        for name, value in (
+            ("messages", generate.messages),
+            ("prompt", generate.prompt),
+            ("prompt_token_ids", generate.prompt_token_ids),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise _invalid(
+            "give exactly one of `messages`, `prompt`, `prompt_token_ids`"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
     if generate.messages is not None:
-        if not generate.messages:
-            raise RequestValidationError("invalid_request", "`messages` is empty")
+        messages = generate.messages
+        if not messages:
+            raise _invalid("`messages` is empty")
+        if len(messages) > protocol.max_messages:
+            raise _invalid(
+                f"`messages` has {len(messages)} entries, over the limit of {protocol.max_messages}"
+            )
+        for index, message in enumerate(messages):
+            if message.role not in protocol.allowed_roles:
+                raise _invalid(
+                    f"messages[{index}].role {message.role[: protocol.max_role_chars]!r} is not "
+                    f"one of {', '.join(sorted(protocol.allowed_roles))}"
+                )
+        num_chars = sum(len(message.content) for message in messages)
+        if num_chars > protocol.max_prompt_chars:
+            raise _invalid(
+                f"the contents of `messages` have {num_chars} characters, over the limit of "
+                f"{protocol.max_prompt_chars}"
+            )
+    elif generate.prompt is not None:
+        if len(generate.prompt) > protocol.max_prompt_chars:
+            raise _invalid(
+                f"`prompt` has {len(generate.prompt)} characters, over the limit of "
+                f"{protocol.max_prompt_chars}"
+            )
+    else:
+        _check_prompt_token_ids(generate.prompt_token_ids or [], limits)
+
+
+def _check_prompt_token_ids(prompt_token_ids: list[int], limits: ModelLimits) -> None:
+    # Counted before the ids are looked at: more than the context never fits.
+    if len(prompt_token_ids) > limits.context_tokens:
+        raise RequestValidationError(
+            "prompt_too_long",
+            f"prompt_token_ids has {len(prompt_token_ids)} ids, over the model's context "
+            f"of {limits.context_tokens}",
+        )
+    for index, token_id in enumerate(prompt_token_ids):
+        if not 0 <= token_id < limits.vocab_size:
+            raise _invalid(
+                f"prompt_token_ids[{index}] is {token_id}, not in [0, {limits.vocab_size}) "
+                "(the model's vocabulary)"
+            )
+
+
+def _check_sampling(generate: Generate, limits: ModelLimits) -> None:
+    """The ranges of shared/protocol.py again, for a ``Generate`` built without the
+    decoder, and what only the gateway knows (its max_tokens cap, the context)."""
+    # `not (low <= x <= high)` refuses NaN as well; math.isfinite says why for ±inf.
+    if not (math.isfinite(generate.temperature) and 0 <= generate.temperature <= 100):
+        raise _invalid(f"temperature {generate.temperature} is not a finite number in [0, 100]")
+    if not (math.isfinite(generate.top_p) and 0 < generate.top_p <= 1):
+        raise _invalid(f"top_p {generate.top_p} is not a finite number in (0, 1]")
+    for name, value in (("top_k", generate.top_k), ("seed", generate.seed)):
+        if value is not None and not 0 <= value <= 2**63 - 1:
+            raise _invalid(f"{name} {value} is not in [0, 2**63 - 1]")
+    if generate.max_tokens < 1:
+        raise _invalid(f"max_tokens {generate.max_tokens} is below 1")
+    if generate.max_tokens > limits.max_tokens_limit:
+        raise _invalid(
+            f"max_tokens {generate.max_tokens} is over the limit of {limits.max_tokens_limit}"
+        )
+    if generate.max_tokens >= limits.context_tokens:
+        # No prompt of at least one token fits beside it.
+        raise RequestValidationError(
+            "prompt_too_long",
+            f"max_tokens {generate.max_tokens} leaves no room for a prompt in the model's "
+            f"context of {limits.context_tokens}",
+        )
+
+
+def _check_stop(stop: list[str], protocol: ProtocolLimits) -> None:
+    """Bounded so matching costs at most ``max_stop_bytes`` per generated token."""
+    if len(stop) > protocol.max_stop_strings:
+        raise _invalid(
+            f"`stop` has {len(stop)} strings, over the limit of {protocol.max_stop_strings}"
+        )
+    num_bytes = 0
+    for index, stop_string in enumerate(stop):
+        if not 1 <= len(stop_string) <= protocol.max_stop_string_chars:
+            raise _invalid(
+                f"stop[{index}] has {len(stop_string)} characters, not in "
+                f"[1, {protocol.max_stop_string_chars}]"
+            )
+        num_bytes += len(stop_string.encode("utf-8", "surrogatepass"))
+    if num_bytes > protocol.max_stop_bytes:
+        raise _invalid(
+            f"`stop` has {num_bytes} UTF-8 bytes, over the limit of {protocol.max_stop_bytes}"
+        )
+
+
+def _prompt_ids(generate: Generate, tokenizer: ChatTokenizer) -> list[int]:
+    if generate.messages is not None:
         conversation = [{"role": m.role, "content": m.content} for m in generate.messages]
         try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+            # Contents are text: a special token written in one is not a control token.
+            return tokenizer.encode_chat(conversation, add_generation_prompt=True)
         except ChatTemplateError as error:
-            raise RequestValidationError("invalid_request", str(error)) from error
-        # The rendered template already holds the model's special tokens.
-        return tokenizer.encode(text, add_special_tokens=False)
+            raise _invalid(str(error)) from error
     if generate.prompt is not None:
+        # A raw completion prompt is the client's whole model input, as with
+        # prompt_token_ids (which can name any id): its special tokens are parsed,
+        # as llama.cpp and vLLM do, so a client can write a template by hand.
         return tokenizer.encode(generate.prompt, add_special_tokens=True)
     assert generate.prompt_token_ids is not None
-    for token_id in generate.prompt_token_ids:
-        if token_id >= limits.vocab_size:
-            raise RequestValidationError(
-                "invalid_request",
-                f"prompt_token_ids holds {token_id}, not below the vocabulary size "
-                f"{limits.vocab_size}",
-            )
     return list(generate.prompt_token_ids)

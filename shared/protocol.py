@@ -6,24 +6,55 @@ Every frame is an object with a ``type`` field. Client → server: ``generate``,
 client's name for a request, ``request_id`` the service's.
 
 Ranges are part of the types (msgspec ``Meta``), so a decode error already
-says which field is wrong and why.
+says which field is wrong and why. Caps that span several fields (how many
+stop strings, how much prompt text) are :class:`ProtocolLimits`, checked by
+``gateway/validation.py`` before any tokenizing; ``docs/reliability.md`` has
+the whole table.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
 
-ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+@dataclass(frozen=True)
+class ProtocolLimits:
+    """The caps a ``generate`` must keep, beyond the numeric ranges of its fields.
+
+    Each bounds what one request can make the gateway do before it is refused
+    or admitted: the chat template and tokenizer run over at most
+    ``max_prompt_chars`` characters, and stop-string matching costs at most
+    ``max_stop_bytes`` of work per generated token.
+    """
+
+    max_id_chars: int = 128
+    max_messages: int = 512
+    # The roles chat templates (SmolLM2's ChatML among them) render as a turn.
+    # The template writes the role itself into the prompt, so a free-form role
+    # would be a way to write special tokens into it.
+    allowed_roles: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+    max_role_chars: int = 32
+    # Characters of all message contents together, or of `prompt`.
+    max_prompt_chars: int = 100_000
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_bytes: int = 1024  # UTF-8 bytes of all stop strings together
+
+
+PROTOCOL_LIMITS = ProtocolLimits()
+
+ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=PROTOCOL_LIMITS.max_id_chars)]
 ErrorCode = Literal["invalid_request", "unauthorized", "queue_full", "prompt_too_long", "internal"]
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One turn of a conversation, rendered with the model's chat template."""
 
-    role: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
-    content: Annotated[str, msgspec.Meta(max_length=1_000_000)]
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=PROTOCOL_LIMITS.max_role_chars)]
+    content: Annotated[str, msgspec.Meta(max_length=PROTOCOL_LIMITS.max_prompt_chars)]
 
 
 class Generate(
@@ -33,7 +64,7 @@ class Generate(
 
     id: ClientId
     messages: list[ChatMessage] | None = None
-    prompt: str | None = None
+    prompt: Annotated[str, msgspec.Meta(max_length=PROTOCOL_LIMITS.max_prompt_chars)] | None = None
     prompt_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
@@ -41,7 +72,9 @@ class Generate(
     # Bounded so the SubmitRequest can carry it (MessagePack ints end at 2**64).
     top_k: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
-    stop: list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]] = []
+    stop: list[
+        Annotated[str, msgspec.Meta(min_length=1, max_length=PROTOCOL_LIMITS.max_stop_string_chars)]
+    ] = []
     ignore_eos: bool = False
 
 
@@ -58,7 +91,7 @@ class Resume(
 ):
     """Reattach to a request (after a reconnect) and receive tokens after ``after_seq``."""
 
-    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=PROTOCOL_LIMITS.max_id_chars)]
     after_seq: Annotated[int, msgspec.Meta(ge=-1)] = -1
     id: ClientId | None = None
 
