@@ -6,6 +6,12 @@ has seen that could still become the start of a stop string, and emits the
 rest. When a stop string completes it emits the text up to (not including) it
 and stops: the output is exactly the whole text cut before the stop string
 occurrence that ends first, however the text was split.
+
+Each stop string has a Knuth-Morris-Pratt automaton that follows the longest
+of its prefixes the text ends with, so a character costs amortized O(1) per
+stop string: the work per token is linear in its text, whatever the output's
+length, and the held-back tail is shorter than the longest stop string
+(shared/protocol.py caps both).
 """
 
 from __future__ import annotations
@@ -42,13 +48,59 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> str | None:
     return None if best is None else text[: best[1]]
 
 
+class _PrefixAutomaton:
+    """How long a prefix of ``pattern`` the text fed so far ends with (KMP)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        # failure[i]: length of the longest proper prefix of pattern[: i + 1] that
+        # is also its suffix, where matching falls back to after a mismatch.
+        failure = [0] * len(pattern)
+        length = 0
+        for index in range(1, len(pattern)):
+            while length and pattern[index] != pattern[length]:
+                length = failure[length - 1]
+            if pattern[index] == pattern[length]:
+                length += 1
+            failure[index] = length
+        self._failure = failure
+        self.state = 0
+
+    def scan(self, text: str, start: int) -> int | None:
+        """Feed ``text[start:]``; return the end of the first full match, or None.
+
+        Called no more once it has matched: the request stops there.
+        """
+        pattern, failure = self.pattern, self._failure
+        state, index = self.state, start
+        while index < len(text):
+            if state == 0:
+                # Nothing partly matched: jump (in C) to the next possible start.
+                index = text.find(pattern[0], index)
+                if index < 0:
+                    break
+                state, index = 1, index + 1
+            else:
+                character = text[index]
+                while state and pattern[state] != character:
+                    state = failure[state - 1]
+                if pattern[state] == character:
+                    state += 1
+                index += 1
+            if state == len(pattern):
+                self.state = state
+                return index
+        self.state = state
+        return None
+
+
 class StopStringMatcher:
     """Feed text deltas in order; get back what may be sent so far."""
 
     def __init__(self, stop: Sequence[str]) -> None:
         if any(not stop_string for stop_string in stop):
             raise ValueError("stop strings must not be empty")
-        self._stop = tuple(stop)
+        self._automata = [_PrefixAutomaton(stop_string) for stop_string in stop]
         self._held = ""
         self._stopped = False
 
@@ -61,30 +113,29 @@ class StopStringMatcher:
         """Add ``delta``; return the text now safe to send and whether a stop string matched."""
         if self._stopped:
             raise RuntimeError("feed after a stop string matched")
-        if not self._stop:
+        if not self._automata:
             return StopResult(delta)
         text = self._held + delta
-        truncated = truncate_at_stop(text, self._stop)
-        if truncated is not None:
+        # The occurrence that ends first, the longer of two ending together.
+        first: tuple[int, int] | None = None  # (end, -length)
+        for automaton in self._automata:
+            end = automaton.scan(text, len(self._held))
+            if end is not None and (first is None or (end, -len(automaton.pattern)) < first):
+                first = (end, -len(automaton.pattern))
+        if first is not None:
             self._held = ""
             self._stopped = True
-            return StopResult(truncated, stopped=True)
-        held_length = self._longest_partial_match(text)
+            end, negative_length = first
+            return StopResult(text[: end + negative_length], stopped=True)
+        # Every state is below its pattern's length here, so the tail is a proper prefix.
+        held_length = max(automaton.state for automaton in self._automata)
         self._held = text[len(text) - held_length :] if held_length else ""
         return StopResult(text[: len(text) - held_length])
 
     def flush(self) -> str:
         """At the end of the stream: the held-back text (it can no longer become a stop string)."""
         held, self._held = self._held, ""
+        # The automata follow the held text: with it gone, nothing is partly matched.
+        for automaton in self._automata:
+            automaton.state = 0
         return held
-
-    def _longest_partial_match(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop_string in self._stop:
-            # Only tails shorter than the stop string: a whole one was found above.
-            for length in range(min(len(stop_string) - 1, len(text)), longest, -1):
-                if text.endswith(stop_string[:length]):
-                    longest = length
-                    break
-        return longest

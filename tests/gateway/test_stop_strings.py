@@ -99,3 +99,34 @@ def test_one_stop_string_cuts_at_its_first_occurrence(
     output, _ = run_matcher(split_at(text, cuts), [stop])
     position = text.find(stop)
     assert output == (text if position < 0 else text[:position])
+
+
+@given(
+    text=st.text(alphabet="ab", max_size=200),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=30),
+    stop=st.lists(st.text(alphabet="ab", min_size=1, max_size=24), max_size=16),
+)
+def test_many_long_overlapping_stop_strings_agree_with_the_reference(
+    text: str, cuts: list[int], stop: list[str]
+) -> None:
+    # A two-letter alphabet makes stop strings overlap themselves and each other,
+    # which is where the automata's fallbacks matter.
+    output, stopped = run_matcher(split_at(text, cuts), stop)
+    expected = truncate_at_stop(text, stop)
+    assert stopped == (expected is not None)
+    assert output == (text if expected is None else expected)
+
+
+def test_held_back_text_stays_shorter_than_the_longest_stop_string() -> None:
+    """The worst case for holding back: a stream that always ends in a prefix of
+    every stop string. What is held (and rescanned) never grows with the output."""
+    stop = ["a" * 255 + "b", "a" * 100 + "c", "a" * 255 + "d", "aab"]
+    matcher = StopStringMatcher(stop)
+    emitted = 0
+    for index in range(5_000):
+        result = matcher.feed("a")
+        assert not result.stopped
+        emitted += len(result.text)
+        assert emitted == max(0, index + 1 - 255)
+    assert matcher.flush() == "a" * 255
+    assert matcher.feed("b").stopped is False  # flushed: the held a's are gone
