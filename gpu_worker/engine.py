@@ -4,6 +4,12 @@ The engine keeps, per request it runs, how many tokens are in its K/V cache
 and what it sampled last; a plan names the work (prompt chunks, decodes) and
 the engine flattens it into one forward pass, samples, and reports tokens.
 Requests join, continue and leave between any two steps.
+
+Faults of one request end that request only (``StepOutput.failed``): a prompt
+token id the model has no embedding for, a position past the model's
+context, logits that cannot be sampled. A forward pass that raises fails the
+step's requests, and the engine goes on with the next plan. A plan that does
+not fit the engine's state (the scheduler's mistake) is a ``PlanError``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
 from gpu_worker.attention import (
@@ -28,16 +35,28 @@ from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import load_model_config
-from gpu_worker.sampler import sample
+from gpu_worker.sampler import SamplingError, sample
 from gpu_worker.weights import load_weights
-from shared.messages import FinishReason, RequestSpec, SampledToken, StepOutput, StepPlan
+from shared.messages import (
+    FinishReason,
+    RequestFailure,
+    RequestSpec,
+    SampledToken,
+    StepOutput,
+    StepPlan,
+)
 
 if TYPE_CHECKING:  # imported lazily at run time: it needs triton, the CPU path must not
     from gpu_worker.cuda_graphs import DecodeGraphRunner
 
-# A decode may be planned for a request whose finishing token is still on
-# its way to the scheduler (overlap); remember that many finished ids to skip it.
-_RECENTLY_FINISHED_LIMIT = 65536
+# A decode (or the next prompt chunk) may be planned for a request whose last
+# token or failure is still on its way to the scheduler (overlap); remember
+# that many ended ids to skip their work.
+_RECENTLY_ENDED_LIMIT = 65536
+# What a client is told when the step its request was in failed as a whole.
+STEP_FAILED_MESSAGE = "the worker failed to run this request's step"
+
+_log = structlog.get_logger(__name__)
 
 
 class PlanError(ValueError):
@@ -116,7 +135,9 @@ class Engine:
             self._decode_graphs = DecodeGraphRunner(model, self.kv_cache, self.backend)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
-        self._recently_finished: OrderedDict[str, None] = OrderedDict()
+        self._recently_ended: OrderedDict[str, None] = OrderedDict()
+        # Rows of the embedding table: a prompt token id must index one of them.
+        self._num_embeddings = int(model.weights.embed_tokens.shape[0])
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -144,19 +165,40 @@ class Engine:
         return list(self._requests)
 
     def step(self, plan: StepPlan) -> StepOutput:
-        """Release, admit, then run every prompt chunk and decode in one forward pass."""
-        admitted, works, growth = self._validate(plan)
+        """Release, admit, then run every prompt chunk and decode in one forward pass.
+
+        Raises PlanError (state unchanged) for a plan that does not fit the
+        engine's state; a request whose own input or numbers fail is dropped
+        and reported in ``StepOutput.failed``, the others run.
+        """
+        admitted, works, growth, failed = self._validate(plan)
         for request_id in plan.released_request_ids:
             self._drop(request_id)
         for request in admitted:
             self._requests[request.spec.request_id] = request
+        for failure in failed:
+            self._end(failure.request_id)
         if not works:
             return StepOutput(
-                worker_id=self.worker_id, epoch=plan.epoch, step_index=plan.step_index
+                worker_id=self.worker_id,
+                epoch=plan.epoch,
+                step_index=plan.step_index,
+                failed=failed,
             )
         self.kv_cache.allocator.grow(growth)
         started = time.perf_counter()
-        tokens = self._run(works)
+        try:
+            tokens, sampling_failed = self._run(works)
+        except Exception:  # any fault of the forward ends its step, not the worker
+            _log.exception("step_failed", step_index=plan.step_index, num_requests=len(works))
+            # Their K/V may be half written: none of them can go on.
+            request_ids = [work.request.spec.request_id for work in works]
+            return StepOutput(
+                worker_id=self.worker_id,
+                epoch=plan.epoch,
+                step_index=plan.step_index,
+                failed=failed + self.fail_requests(request_ids, STEP_FAILED_MESSAGE),
+            )
         step_ms = (time.perf_counter() - started) * 1000
         num_new_tokens = sum(len(work.token_ids) for work in works)
         self.stats.num_steps += 1
@@ -169,7 +211,16 @@ class Engine:
             tokens=tokens,
             num_new_tokens=num_new_tokens,
             step_ms=step_ms,
+            failed=failed + sampling_failed,
         )
+
+    def fail_requests(self, request_ids: list[str], message: str) -> list[RequestFailure]:
+        """End these requests here (their K/V goes back to the pool; later work
+        planned for them is skipped); one failure per request the engine held."""
+        failed = [RequestFailure(rid, message) for rid in request_ids if rid in self._requests]
+        for failure in failed:
+            self._end(failure.request_id)
+        return failed
 
     def _admit(self, spec: RequestSpec) -> _Request:
         sampling = spec.sampling
@@ -183,11 +234,14 @@ class Engine:
             num_generated=spec.num_generated,
         )
 
-    def _validate(self, plan: StepPlan) -> tuple[list[_Request], list[_Work], dict[str, int]]:
+    def _validate(
+        self, plan: StepPlan
+    ) -> tuple[list[_Request], list[_Work], dict[str, int], list[RequestFailure]]:
         """Check the whole plan before touching any state.
 
-        Returns the requests it admits, the work of the step and the total
-        K/V tokens each worked-on request will hold.
+        Returns the requests it admits, the work of the step, the total K/V
+        tokens each worked-on request will hold, and the requests that end
+        here because of their own input (left out of the rest).
         """
         released = set(plan.released_request_ids)
         known = {rid: req for rid, req in self._requests.items() if rid not in released}
@@ -201,7 +255,11 @@ class Engine:
             admitted.append(known[spec.request_id])
         works: list[_Work] = []
         seen: set[str] = set()
+        failures: dict[str, str] = {}
+        num_embeddings = self._num_embeddings
         for chunk in plan.prefill_chunks:
+            if chunk.request_id in self._recently_ended and chunk.request_id not in known:
+                continue  # failed in a step whose result the scheduler had not seen
             request = self._lookup(known, chunk.request_id, seen)
             end = chunk.start_position + len(chunk.token_ids)
             if chunk.start_position != request.num_cached_tokens:
@@ -214,11 +272,17 @@ class Engine:
                     f"request {chunk.request_id!r}: chunk [{chunk.start_position}, {end}) is empty "
                     f"or past its {request.spec.num_prompt_tokens} prompt tokens"
                 )
+            if min(chunk.token_ids) < 0 or max(chunk.token_ids) >= num_embeddings:
+                failures[chunk.request_id] = (
+                    f"the prompt holds a token id outside the model's vocabulary "
+                    f"(0 to {num_embeddings - 1})"
+                )
+                continue
             samples = end == request.spec.num_prompt_tokens
             works.append(_Work(request, chunk.token_ids, chunk.start_position, samples))
         for request_id in plan.decode_request_ids:
-            if request_id in self._recently_finished and request_id not in known:
-                continue  # finished in a step whose result the scheduler had not seen
+            if request_id in self._recently_ended and request_id not in known:
+                continue  # ended in a step whose result the scheduler had not seen
             request = self._lookup(known, request_id, seen)
             if not request.prompt_done or request.last_token_id is None:
                 raise PlanError(f"request {request_id!r} cannot decode before its prompt is done")
@@ -228,11 +292,14 @@ class Engine:
         for work in works:
             end = work.start_position + len(work.token_ids)
             if end > limit:
-                raise PlanError(
-                    f"request {work.request.spec.request_id!r} reaches position {end}, past the "
-                    f"model's context of {limit}"
+                failures[work.request.spec.request_id] = (
+                    f"the request reaches position {end}, past the model's context of {limit}"
                 )
+                continue
             growth[work.request.spec.request_id] = end
+        works = [work for work in works if work.request.spec.request_id not in failures]
+        # A request that fails in the plan that admits it is never admitted.
+        admitted = [r for r in admitted if r.spec.request_id not in failures]
         allocator = self.kv_cache.allocator
         num_free = allocator.num_free_blocks + sum(
             len(allocator.block_table(r)) for r in released if allocator.holds(r)
@@ -247,7 +314,8 @@ class Engine:
                 f"plan needs {num_needed} more K/V blocks but only {num_free} of "
                 f"{allocator.num_blocks} are free"
             )
-        return admitted, works, growth
+        failed = [RequestFailure(rid, message) for rid, message in failures.items()]
+        return admitted, works, growth, failed
 
     @staticmethod
     def _lookup(known: dict[str, _Request], request_id: str, seen: set[str]) -> _Request:
@@ -258,7 +326,7 @@ class Engine:
         seen.add(request_id)
         return known[request_id]
 
-    def _run(self, works: list[_Work]) -> list[SampledToken]:
+    def _run(self, works: list[_Work]) -> tuple[list[SampledToken], list[RequestFailure]]:
         cache = self.kv_cache
         token_ids: list[int] = []
         positions: list[int] = []
@@ -309,10 +377,15 @@ class Engine:
             [work.request.seed for work in sampling_works],
             [work.request.num_generated for work in sampling_works],
         )
-        return [
-            self._record(work.request, token_id)
-            for work, token_id in zip(sampling_works, sampled, strict=True)
-        ]
+        tokens: list[SampledToken] = []
+        failed: list[RequestFailure] = []
+        for work, outcome in zip(sampling_works, sampled, strict=True):
+            if isinstance(outcome, SamplingError):
+                self._end(work.request.spec.request_id)
+                failed.append(RequestFailure(work.request.spec.request_id, str(outcome)))
+            else:
+                tokens.append(self._record(work.request, outcome))
+        return tokens, failed
 
     def _record(self, request: _Request, token_id: int) -> SampledToken:
         index = request.num_generated
@@ -324,16 +397,20 @@ class Engine:
         elif request.num_generated >= request.spec.sampling.max_tokens:
             finish_reason = "length"
         if finish_reason is not None:
-            self._drop(request.spec.request_id)
-            self._recently_finished[request.spec.request_id] = None
-            if len(self._recently_finished) > _RECENTLY_FINISHED_LIMIT:
-                self._recently_finished.popitem(last=False)
+            self._end(request.spec.request_id)
         return SampledToken(
             request_id=request.spec.request_id,
             token_id=token_id,
             index=index,
             finish_reason=finish_reason,
         )
+
+    def _end(self, request_id: str) -> None:
+        """A request finished or failed here: drop it, and skip work planned for it since."""
+        self._drop(request_id)
+        self._recently_ended[request_id] = None
+        if len(self._recently_ended) > _RECENTLY_ENDED_LIMIT:
+            self._recently_ended.popitem(last=False)
 
     def _drop(self, request_id: str) -> None:
         """Forget a request and free its blocks; a no-op for unknown ids (idempotent)."""

@@ -119,9 +119,18 @@ class SampledToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     finish_reason: FinishReason | None = None
 
 
+class RequestFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request the worker ended with an error in one step (its input or its
+    numbers, not the plan): the worker dropped it and freed its K/V.
+    ``message`` is plain text meant for the client (no reprs, no addresses)."""
+
+    request_id: str
+    message: str
+
+
 class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_fields=True):
     """What one executed plan produced: the sampled tokens (at most one per
-    request) and how long the forward pass took."""
+    request), the requests that failed in it, and how long the forward pass took."""
 
     worker_id: str
     epoch: int
@@ -130,6 +139,8 @@ class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_
     num_new_tokens: int = 0
     step_ms: float = 0.0
     version: int = WIRE_VERSION
+    # Defaulted so that an output written before failures were reported still decodes.
+    failed: list[RequestFailure] = []
 
     @property
     def finished_request_ids(self) -> list[str]:
@@ -239,11 +250,24 @@ class RequestEnded(msgspec.Struct, frozen=True, tag="ended", forbid_unknown_fiel
     version: int = WIRE_VERSION
 
 
+class RequestFailed(msgspec.Struct, frozen=True, tag="failed", forbid_unknown_fields=True):
+    """Worker or scheduler → the request's log: the service ended the request
+    with an error (the ``RequestRejected`` its gateway was sent says the same).
+    No token follows it; a gateway replaying the log ends the stream with an
+    ``error`` frame of ``code`` and ``message``."""
+
+    request_id: str
+    code: str
+    message: str
+    version: int = WIRE_VERSION
+
+
 WorkerMessage = StepPlan | StepOutput
 ControlMessage = SubmitRequest | CancelRequest | RequestAdopted | WorkerJoined | WorkerLeft
 GatewayMessage = TokenBatch | RequestRejected
-# A request's log: its record, then the tokens workers sent (TokenBatch), maybe an end.
-RequestLogEntry = RequestRecord | TokenBatch | RequestEnded
+# A request's log: its record, then the tokens workers sent (TokenBatch), maybe an
+# end (RequestEnded by a gateway, RequestFailed by a worker or the scheduler).
+RequestLogEntry = RequestRecord | TokenBatch | RequestEnded | RequestFailed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(WorkerMessage)
@@ -291,6 +315,6 @@ def decode_gateway_message(data: bytes) -> TokenBatch | RequestRejected:
     return _gateway_decoder.decode(data)
 
 
-def decode_log_entry(data: bytes) -> RequestRecord | TokenBatch | RequestEnded:
+def decode_log_entry(data: bytes) -> RequestRecord | TokenBatch | RequestEnded | RequestFailed:
     """Decode one entry of a request's log."""
     return _log_decoder.decode(data)

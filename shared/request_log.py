@@ -6,7 +6,9 @@ sends (a ``TokenBatch`` per request per step) in the same transaction that
 publishes them to the gateway and reports the step to the scheduler, so the
 log holds exactly the tokens some client may have seen; a gateway that ends
 a request itself (cancel, closed socket, stop string) appends a
-``RequestEnded``. From the log alone:
+``RequestEnded``; a worker or the scheduler that ends it with an error (a
+request that failed in a step, was on two lost workers, or was refused)
+appends a ``RequestFailed``. From the log alone:
 
 - a gateway serves ``resume`` of a request another (dead) gateway accepted;
 - a gateway fills the gap pub/sub left while it was cut off from Redis;
@@ -32,6 +34,8 @@ from shared.keys import MESSAGE_FIELD, RedisKeys
 from shared.messages import (
     FinishReason,
     RequestEnded,
+    RequestFailed,
+    RequestLogEntry,
     RequestRecord,
     SampledToken,
     TokenBatch,
@@ -58,6 +62,8 @@ class RequestLog:
     finish_reason: FinishReason | None = None
     # The gateway ended it after this many tokens (RequestEnded).
     ended_after: int | None = None
+    # The service ended it with this error (RequestFailed).
+    failure: RequestFailed | None = None
     # The id of the last entry folded in: where following the log resumes.
     last_entry_id: bytes = b"0"
 
@@ -72,6 +78,7 @@ class RequestLog:
         return (
             self.finish_reason is not None
             or self.ended_after is not None
+            or self.failure is not None
             or len(self.token_ids) >= self.record.submit.sampling.max_tokens
         )
 
@@ -85,18 +92,25 @@ class RequestLog:
             tokens[-1] = msgspec.structs.replace(tokens[-1], finish_reason=self.finish_reason)
         return tokens
 
-    def as_entries(self) -> list[TokenBatch | RequestEnded]:
+    def as_entries(self) -> list[TokenBatch | RequestEnded | RequestFailed]:
         """The folded log as entries again: its tokens, then its end if it has one."""
-        entries: list[TokenBatch | RequestEnded] = [
+        entries: list[TokenBatch | RequestEnded | RequestFailed] = [
             TokenBatch(worker_id="", tokens=self.sampled_tokens())
         ]
         if self.ended_after is not None:
             entries.append(RequestEnded(request_id=self.request_id, num_tokens=self.ended_after))
+        if self.failure is not None:
+            entries.append(self.failure)
         return entries
 
-    def fold(self, entry_id: bytes, entry: RequestRecord | TokenBatch | RequestEnded) -> None:
+    def fold(self, entry_id: bytes, entry: RequestLogEntry) -> None:
         """Take one more entry of the log, in log order."""
         self.last_entry_id = entry_id
+        if isinstance(entry, RequestFailed):
+            # The first end wins: a failure after the last token changes nothing.
+            if not self.is_finished:
+                self.failure = entry
+            return
         if isinstance(entry, RequestEnded):
             if self.ended_after is None and entry.num_tokens < len(self.token_ids):
                 # The client saw only these; later ones reached no one.
@@ -143,6 +157,14 @@ def queue_end(pipe: Pipeline, keys: RedisKeys, ended: RequestEnded, retention_s:
     pipe.expire(log_key, retention_s)
 
 
+def queue_failure(pipe: Pipeline, keys: RedisKeys, failed: RequestFailed, retention_s: int) -> None:
+    """Record that the service ended the request with an error; its log goes
+    after ``retention_s`` (not the running TTL: nothing more will be written)."""
+    log_key = keys.request_log(failed.request_id)
+    pipe.xadd(log_key, {MESSAGE_FIELD: encode(failed)}, nomkstream=True)
+    pipe.expire(log_key, retention_s)
+
+
 async def read_request_log(
     redis: aioredis.Redis, keys: RedisKeys, request_id: str
 ) -> RequestLog | None:
@@ -180,12 +202,10 @@ def _fold_log(raw_entries: RawEntries, source: str) -> RequestLog | None:
     return log
 
 
-def decode_entries(
-    raw_entries: RawEntries, source: str
-) -> list[tuple[bytes, RequestRecord | TokenBatch | RequestEnded]]:
+def decode_entries(raw_entries: RawEntries, source: str) -> list[tuple[bytes, RequestLogEntry]]:
     """Decode raw log entries; one that does not decode is logged and skipped
     (a log is read again and again, so it is not moved to the dead stream)."""
-    decoded: list[tuple[bytes, RequestRecord | TokenBatch | RequestEnded]] = []
+    decoded: list[tuple[bytes, RequestLogEntry]] = []
     for entry_id, fields in raw_entries:
         try:
             data = (fields or {}).get(MESSAGE_FIELD.encode())

@@ -164,14 +164,6 @@ def test_recompute_after_preemption_continues_with_the_same_tokens(model):
         (
             _plan(
                 1,
-                new_requests=[RequestSpec("b", 600, GREEDY)],
-                prefill_chunks=[PrefillChunk("b", [5] * 600, 0)],
-            ),
-            "past the model's context",
-        ),
-        (
-            _plan(
-                1,
                 new_requests=[RequestSpec("b", 200, GREEDY)],
                 prefill_chunks=[PrefillChunk("b", [5] * 200, 0)],
             ),
