@@ -21,6 +21,12 @@ stale admissions, the step itself, token routing) happens on that thread.
 
 Fencing: plans of an epoch older than the newest seen are skipped; the first
 plan of a newer epoch drops every request of the old scheduler first.
+
+No request's data ends the process: a request that fails in a step (the
+engine's ``StepOutput.failed``), or every request of a plan that raised
+something unexpected, is told to its gateway (``RequestRejected`` with code
+``internal``) and ended in its log (``RequestFailed``), in the step's
+transaction; the engine thread goes on with the next plan.
 """
 
 from __future__ import annotations
@@ -38,9 +44,12 @@ import structlog
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
-from gpu_worker.engine import Engine, PlanError
+from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, PlanError
 from shared.keys import WORKER_GROUP, RedisKeys
 from shared.messages import (
+    RequestFailed,
+    RequestFailure,
+    RequestRejected,
     SampledToken,
     StepOutput,
     StepPlan,
@@ -51,6 +60,8 @@ from shared.messages import (
     encode,
 )
 from shared.redis_streams import (
+    CONTROL_STREAM_MAXLEN,
+    RESULTS_STREAM_MAXLEN,
     StreamEntry,
     position_group_at_end,
     queue_dead_letter,
@@ -59,12 +70,11 @@ from shared.redis_streams import (
     send_message,
     xadd_message,
 )
-from shared.request_log import queue_tokens
+from shared.request_log import queue_failure, queue_tokens
 from shared.settings import WorkerSettings
 
 READ_BLOCK_MS = 100
 READ_COUNT = 16
-RESULT_STREAM_MAXLEN = 100_000
 SUMMARY_EVERY_STEPS = 200
 # Upper edges (µs) of the histogram of gaps between consecutive forward passes
 # that the stats hash keeps, so a benchmark can read the gap's median.
@@ -85,6 +95,8 @@ class _Done:
     dead_plan: tuple[str, bytes] | None = None  # (error, plan bytes) of a refused plan
     num_requests: int = 0  # requests in the step's forward pass (its batch size)
     step_gap_s: float | None = None  # time outside forward passes since the previous step
+    # (gateway id, failure) of each request that ended with an error in this step
+    failures: list[tuple[str, RequestFailure]] = field(default_factory=list)
 
 
 class WorkerActor:
@@ -133,7 +145,9 @@ class WorkerActor:
         await position_group_at_end(self._redis, self._plans_stream, WORKER_GROUP)
         epoch = await self._redis.get(self.keys.epoch)
         self._joined_epoch = None if epoch is None else int(epoch)
-        await send_message(self._redis, self.keys.control, self.joined_message())
+        await send_message(
+            self._redis, self.keys.control, self.joined_message(), maxlen=CONTROL_STREAM_MAXLEN
+        )
         _log.info(
             "worker_registered",
             worker_id=self.worker_id,
@@ -152,7 +166,12 @@ class WorkerActor:
             tasks.create_task(self._read(stop, plans))
             tasks.create_task(asyncio.to_thread(self._run_engine, stop, plans, done, loop))
             tasks.create_task(self._publish(done))
-        await send_message(self._redis, self.keys.control, WorkerLeft(worker_id=self.worker_id))
+        await send_message(
+            self._redis,
+            self.keys.control,
+            WorkerLeft(worker_id=self.worker_id),
+            maxlen=CONTROL_STREAM_MAXLEN,
+        )
         await self._redis.delete(self.keys.worker_heartbeat(self.worker_id))
         _log.info("worker_left", worker_id=self.worker_id, num_steps=self._num_steps)
 
@@ -176,7 +195,9 @@ class WorkerActor:
         epoch = None if raw_epoch is None else int(raw_epoch)
         if self._joined_epoch is not None and epoch is not None and epoch != self._joined_epoch:
             # A new scheduler knows nothing of us until we join again.
-            await send_message(self._redis, self.keys.control, self.joined_message())
+            await send_message(
+                self._redis, self.keys.control, self.joined_message(), maxlen=CONTROL_STREAM_MAXLEN
+            )
             _log.info("worker_rejoined", worker_id=self.worker_id, epoch=epoch)
         if epoch is not None:
             self._joined_epoch = epoch
@@ -221,10 +242,45 @@ class WorkerActor:
         """The engine thread: run plans in order until the reader ends the queue."""
         try:
             while (entry := plans.get()) is not None and not stop.is_set():
-                loop.call_soon_threadsafe(done.put_nowait, self._run_plan(entry))
+                loop.call_soon_threadsafe(done.put_nowait, self._run_plan_or_fail(entry))
         finally:
             # Plans left unrun stay pending; the scheduler recomputes their requests.
             loop.call_soon_threadsafe(done.put_nowait, None)
+
+    def _run_plan_or_fail(self, entry: StreamEntry[StepPlan]) -> _Done:
+        """Run a plan; anything it raises that the engine did not turn into a
+        failure ends the plan's requests (never the engine thread)."""
+        try:
+            return self._run_plan(entry)
+        except Exception:  # a bug or a device fault: this plan's requests end, the worker goes on
+            plan = entry.message
+            _log.exception("plan_failed", step_index=plan.step_index, epoch=plan.epoch)
+            return self._fail_plan(entry)
+
+    def _fail_plan(self, entry: StreamEntry[StepPlan]) -> _Done:
+        """Every request the plan names ends with an error (the engine may not
+        hold all of them: the scheduler still does); the plan goes to dead."""
+        plan = entry.message
+        request_ids = list(
+            dict.fromkeys(
+                [
+                    *(spec.request_id for spec in plan.new_requests),
+                    *(chunk.request_id for chunk in plan.prefill_chunks),
+                    *plan.decode_request_ids,
+                ]
+            )
+        )
+        with contextlib.suppress(Exception):  # best effort: the state is suspect already
+            self.engine.fail_requests(request_ids, STEP_FAILED_MESSAGE)
+        for spec in plan.new_requests:
+            self._gateway_ids.setdefault(spec.request_id, spec.gateway_id)
+        failed = [RequestFailure(rid, STEP_FAILED_MESSAGE) for rid in request_ids]
+        output = StepOutput(
+            worker_id=self.worker_id, epoch=plan.epoch, step_index=plan.step_index, failed=failed
+        )
+        failures = [(self._gateway_ids.pop(f.request_id, ""), f) for f in failed]
+        dead = ("the worker failed to run this plan", encode(plan))
+        return _Done(entry.entry_id, output, dead_plan=dead, failures=failures)
 
     def _run_plan(self, entry: StreamEntry[StepPlan]) -> _Done:
         plan = entry.message
@@ -254,6 +310,14 @@ class WorkerActor:
                 batches[gateway_ids.get(token.request_id, "")].append(token)
             else:
                 batches[gateway_ids.pop(token.request_id, "")].append(token)
+        failures = [(gateway_ids.pop(f.request_id, ""), f) for f in output.failed]
+        if failures:
+            _log.warning(
+                "requests_failed",
+                step_index=plan.step_index,
+                request_ids=[f.request_id for _, f in failures],
+                errors=[f.message for _, f in failures],
+            )
         self._count(output)
         step_gap_s = None
         if output.num_new_tokens:
@@ -263,7 +327,9 @@ class WorkerActor:
                 step_gap_s = max(0.0, step_end_s - self._last_step_end_s - output.step_ms / 1000)
             self._last_step_end_s = step_end_s
         num_requests = len(plan.prefill_chunks) + len(plan.decode_request_ids)
-        return _Done(entry.entry_id, output, dict(batches), None, num_requests, step_gap_s)
+        return _Done(
+            entry.entry_id, output, dict(batches), None, num_requests, step_gap_s, failures
+        )
 
     def _forget_everything(self, epoch: int) -> None:
         """A new scheduler: drop the old one's requests (their K/V goes back to the pool)."""
@@ -328,13 +394,17 @@ class WorkerActor:
         for gateway_id, tokens in item.batches.items():
             batch = TokenBatch(worker_id=self.worker_id, tokens=tokens)
             pipe.publish(self.keys.tokens(gateway_id), encode(batch))
+        retention_s = self.settings.redis.log_retention_s
+        for gateway_id, failure in item.failures:
+            rejected = RequestRejected(failure.request_id, code="internal", message=failure.message)
+            pipe.publish(self.keys.tokens(gateway_id), encode(rejected))
+            ended = RequestFailed(failure.request_id, code="internal", message=failure.message)
+            queue_failure(pipe, self.keys, ended, retention_s)
         output = item.output
         if output is not None:
             for token in output.tokens:
-                queue_tokens(
-                    pipe, self.keys, self.worker_id, token, self.settings.redis.log_retention_s
-                )
-            xadd_message(pipe, self.keys.results, output, maxlen=RESULT_STREAM_MAXLEN)
+                queue_tokens(pipe, self.keys, self.worker_id, token, retention_s)
+            xadd_message(pipe, self.keys.results, output, maxlen=RESULTS_STREAM_MAXLEN)
             if output.num_new_tokens:
                 pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)
                 pipe.hincrby(stats, f"{self.worker_id}:num_steps", 1)

@@ -33,8 +33,25 @@ T_co = TypeVar("T_co", covariant=True)
 POOL_WAIT_S = 30.0
 # Waits between tries while Redis does not answer (the last one repeats).
 RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+# Every stream is bounded (the embedded Redis has a maxmemory, and with
+# ``noeviction`` a full Redis refuses writes). Trimming is approximate (MAXLEN ~):
+# Redis then drops whole nodes, which costs nothing.
 # The dead stream only helps a human debug; keep its most recent entries.
 DEAD_STREAM_MAXLEN = 10_000
+# Control and results entries are read within a turn (100 ms) and deleted once
+# applied; the cap only bounds what piles up while the scheduler is down.
+CONTROL_STREAM_MAXLEN = 100_000
+RESULTS_STREAM_MAXLEN = 100_000
+# Plans are read within a step of being sent (at most max_inflight are unread),
+# so keeping about this many bounds the stream without ever losing one.
+PLAN_STREAM_MAXLEN = 1000
+# The requests stream is never trimmed: a submit stays pending in the
+# scheduler's group until its request ends (that is how a new scheduler
+# recovers it), so trimming could drop live work. It is bounded instead by
+# admission: the scheduler refuses a submit beyond ``max_waiting`` waiting
+# requests, and acks and XDELs every submit it refuses and every one whose
+# request ended, so the stream holds at most max_waiting + the running
+# requests (+ the submits of one unread turn).
 
 _log = structlog.get_logger(__name__)
 
