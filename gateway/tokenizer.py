@@ -29,6 +29,11 @@ TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 REPLACEMENT_CHARACTER = "\ufffd"
+# A character is at most 4 UTF-8 bytes, so at most 3 of them can wait for more.
+MAX_INCOMPLETE_CHARACTER_BYTES = 3
+# Tokens the detokenizer waits on for text before it lets go of all but the last
+# MAX_INCOMPLETE_CHARACTER_BYTES: bounds the decode window, so the cost per token.
+MAX_PENDING_TOKENS = 8
 
 
 class ModelDirectoryError(ValueError):
@@ -266,14 +271,25 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> str:
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._token_ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text):
+        grew = len(full_text) > len(prefix_text)
+        if grew and (final or not full_text.endswith(REPLACEMENT_CHARACTER)):
+            # Keep only the newest tokens as context: decode cost stays constant per token.
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+            return full_text[len(prefix_text) :]
+        if len(self._token_ids) - self._read_offset <= MAX_PENDING_TOKENS:
             return ""
-        if full_text.endswith(REPLACEMENT_CHARACTER) and not final:
-            return ""
-        # Keep only the newest tokens as context: decode cost stays constant per token.
+        # Many tokens without text to send: skipped special tokens, or bytes that
+        # are no character. Waiting longer would make every decode longer (a
+        # stream of them would cost quadratic time), and it cannot help: a UTF-8
+        # character still in progress has at most 3 bytes, so it lies within the
+        # last 3 tokens (unless skipped special tokens sit between its bytes, which
+        # no tokenizer writes). What comes before them is final.
+        cut = len(self._token_ids) - MAX_INCOMPLETE_CHARACTER_BYTES
+        cut_text = self._decode(self._token_ids[self._prefix_offset : cut])
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
-        return full_text[len(prefix_text) :]
+        self._read_offset = cut
+        return cut_text[len(prefix_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
