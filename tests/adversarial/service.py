@@ -10,6 +10,7 @@ redis-server this module starts (``REDIS_URL``), bounded like the embedded one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -225,6 +226,17 @@ class Client:
             while not self.outcomes.get(client_id):
                 await self.read_one()
         return self.outcomes[client_id].frames[0]
+
+    async def read_for(self, duration_s: float) -> None:
+        """File every frame that arrives within ``duration_s``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(duration_s):
+                while True:
+                    await self.read_one()
+
+    def errors(self) -> list[dict[str, Any]]:
+        """Every ``error`` frame received so far."""
+        return [f for o in self.outcomes.values() for f in o.frames if f["type"] == "error"]
 
     async def until_end(self, client_id: str | None, timeout_s: float = 120.0) -> Outcome:
         """Read until ``client_id``'s request ended (done or error)."""

@@ -26,11 +26,10 @@ def test_a_flooding_tenant_is_capped_and_the_victim_is_served(service: Service) 
                 client = Client(socket)
                 for i in range(16):
                     await client.generate(f"f{round_index}.{i}", max_tokens=24, ignore_eos=True)
-                # Read the answers to the submits (accepted or refused), then drop the socket.
-                for i in range(16):
-                    first = await client.until_answered(f"f{round_index}.{i}")
-                    if first["type"] == "error":
-                        refusals.append(first)
+                # The scheduler's refusals come within a few of its turns; then
+                # the socket goes, and its requests stay, detached.
+                await client.read_for(2.0)
+                refusals += client.errors()
         return refusals
 
     async def victim() -> float:
