@@ -24,6 +24,7 @@ from shared.settings import (
     GatewaySettings,
     add_redis_arguments,
     default_instance_id,
+    gateway_environment_default,
     model_location,
     redis_settings,
     redis_settings_from_args,
@@ -61,6 +62,62 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         help="how long the requests of a closed socket keep running, waiting for a "
         "`resume` (0: cancel them at once)",
     )
+    env = gateway_environment_default
+    parser.add_argument(
+        "--max-requests-per-tenant",
+        type=int,
+        default=env("max_requests_per_tenant", DEFAULTS.max_requests_per_tenant, int),
+        help="a tenant's live requests on this gateway, attached or detached "
+        "($ORCAPOD_MAX_REQUESTS_PER_TENANT)",
+    )
+    parser.add_argument(
+        "--default-max-queued",
+        type=int,
+        default=env("default_max_queued", DEFAULTS.default_max_queued, int),
+        help="max_queued of a tenant whose record sets none ($ORCAPOD_DEFAULT_MAX_QUEUED)",
+    )
+    parser.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        default=env("tokenizer_threads", DEFAULTS.tokenizer_threads, int),
+        help="threads that tokenize prompts off the event loop ($ORCAPOD_TOKENIZER_THREADS)",
+    )
+    parser.add_argument(
+        "--max-tokenizing",
+        type=int,
+        default=env("max_tokenizing", DEFAULTS.max_tokenizing, int),
+        help="requests that may wait for the tokenizer threads; more get queue_full "
+        "($ORCAPOD_MAX_TOKENIZING)",
+    )
+    parser.add_argument(
+        "--max-outbox-bytes",
+        type=int,
+        default=env("max_outbox_bytes", DEFAULTS.max_outbox_bytes, int),
+        help="unsent frames one socket may hold before it is closed (1013) "
+        "($ORCAPOD_MAX_OUTBOX_BYTES)",
+    )
+    parser.add_argument(
+        "--request-stall-timeout-s",
+        type=float,
+        default=env("request_stall_timeout_s", DEFAULTS.request_stall_timeout_s, float),
+        help="a request with no token for this long ends in an error "
+        "($ORCAPOD_REQUEST_STALL_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--open",
+        action="store_true",
+        default=env("open", DEFAULTS.open, _is_true),
+        help="serve clients without a key as the open tenant, even beyond loopback or "
+        "with keys configured ($ORCAPOD_OPEN)",
+    )
+    parser.add_argument(
+        "--allowed-origin",
+        action="append",
+        dest="allowed_origins",
+        help="an Origin a browser's handshake may come from, e.g. https://chat.example "
+        "(repeatable; default: the Host it connects to; $ORCAPOD_ALLOWED_ORIGINS, "
+        "comma-separated)",
+    )
     parser.add_argument(
         "--tenants-file",
         help="TOML file of tenants and API key hashes (default: $ORCAPOD_TENANTS_FILE); "
@@ -79,7 +136,25 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         drain_timeout_s=args.drain_timeout_s,
         detach_grace_s=args.detach_grace_s,
         tenants_file=tenants_file(args.tenants_file),
+        max_requests_per_tenant=args.max_requests_per_tenant,
+        default_max_queued=args.default_max_queued,
+        tokenizer_threads=args.tokenizer_threads,
+        max_tokenizing=args.max_tokenizing,
+        max_outbox_bytes=args.max_outbox_bytes,
+        request_stall_timeout_s=args.request_stall_timeout_s,
+        open=args.open,
+        allowed_origins=tuple(
+            args.allowed_origins or env("allowed_origins", DEFAULTS.allowed_origins, _origins)
+        ),
     )
+
+
+def _is_true(value: str) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    return tuple(origin.strip() for origin in value.split(",") if origin.strip())
 
 
 async def serve_until_signalled(settings: GatewaySettings) -> None:

@@ -1,5 +1,5 @@
-"""What the gateway core asks its shell to do: send a frame, post upstream,
-dead-letter, read or follow a request's log.
+"""What the gateway core asks its shell to do: send a frame, tokenize a
+prompt, post upstream, dead-letter, read or follow a request's log.
 
 Plain data, carried out by the shell in the order the core returns them.
 """
@@ -16,7 +16,7 @@ from shared.messages import (
     RequestRecord,
     SubmitRequest,
 )
-from shared.protocol import Accepted, Done, Error, Resume, Token
+from shared.protocol import Accepted, Done, Error, Generate, Resume, Token
 
 ServerFrame = Accepted | Token | Done | Error
 
@@ -30,6 +30,16 @@ class SendFrame:
 
 
 @dataclass(frozen=True)
+class Tokenize:
+    """Tokenize ``generate`` off the event loop (the tokenizer pool) and hand
+    the result to ``GatewaySession.on_tokenized`` or ``on_tokenize_failed``.
+    ``request_id`` is reserved meanwhile."""
+
+    request_id: str
+    generate: Generate
+
+
+@dataclass(frozen=True)
 class PostUpstream:
     """XADD ``message``: a SubmitRequest to the requests stream, a CancelRequest or
     RequestAdopted to control; in the same transaction, append ``log_entry`` to
@@ -37,7 +47,8 @@ class PostUpstream:
 
     With a ``reservation``, a submit first takes its tokens from the tenant's
     per-minute budget in Redis; over it, the request ends in ``queue_full``
-    (``GatewaySession.on_submit_refused``) and nothing is posted.
+    (``GatewaySession.on_submit_refused``) and nothing is posted; a submit
+    that Redis refuses ends the same way.
     """
 
     message: SubmitRequest | CancelRequest | RequestAdopted
@@ -74,4 +85,4 @@ class DeadLetter:
     data: bytes
 
 
-Action = SendFrame | PostUpstream | DeadLetter | LoadLog | FollowLog
+Action = SendFrame | Tokenize | PostUpstream | DeadLetter | LoadLog | FollowLog

@@ -28,6 +28,8 @@ logger = structlog.get_logger(__name__)
 # Longest a follow XREAD (or the wait for a first log to follow) blocks: how
 # late a new log to follow, or the stop, may be noticed.
 FOLLOW_BLOCK_MS = 500
+# What a client is told when Redis did not answer (its error is only logged).
+UNREADABLE_LOG_MESSAGE = "could not read the request's log, retry later"
 
 
 class LogReader:
@@ -59,8 +61,7 @@ class LogReader:
             log = await read_request_log(self._redis, self._keys, action.request_id)
         except (RedisError, OSError) as error:
             logger.warning("could not read a request log", error=str(error))
-            message = f"cannot reach redis: {error}"
-            frame = Error(code="internal", message=message, id=action.resume.id)
+            frame = Error(code="internal", message=UNREADABLE_LOG_MESSAGE, id=action.resume.id)
             await self._apply([SendFrame(action.socket_id, frame)])
             return
         await self._apply(self._session.on_log_loaded(action.socket_id, action.resume, log))
@@ -97,7 +98,7 @@ class LogReader:
                 if request_id in self._followed and raw_entries:
                     self._followed[request_id] = raw_entries[-1][0]
                 decoded = [entry for _, entry in decode_entries(raw_entries, log_key)]
-                await self._apply(self._session.on_log_entries(request_id, decoded))
+                await self._apply(self._session.on_log_entries(request_id, decoded, log_key))
 
     async def catch_up(self, stop: asyncio.Event) -> None:
         """Read again the log of every request running here, for what pub/sub
@@ -116,7 +117,10 @@ class LogReader:
                 continue
             pending.pop()
             if log is not None:
-                await self._apply(self._session.on_log_entries(request_id, log.as_entries()))
+                source = self._keys.request_log(request_id)
+                await self._apply(
+                    self._session.on_log_entries(request_id, log.as_entries(), source)
+                )
 
     async def _read_followed(self) -> list[tuple[bytes, RawEntries]]:
         streams = {

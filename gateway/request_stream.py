@@ -51,8 +51,7 @@ class StreamUpdate:
 class RequestStream:
     """The gateway's state of one request, from ``accepted`` until it is forgotten.
 
-    ``client_id`` and ``socket_id`` say where its frames go; the session moves
-    them on a resume. ``socket_id`` is None while no socket is attached.
+    Where its frames go is the request table's business (``gateway/request_table.py``).
     ``tenant`` owns it: only a socket of that tenant may resume it.
     """
 
@@ -62,7 +61,6 @@ class RequestStream:
         request_id: str,
         tenant: str,
         client_id: str,
-        socket_id: int | None,
         num_prompt_tokens: int,
         max_tokens: int,
         detokenizer: IncrementalDetokenizer,
@@ -73,14 +71,15 @@ class RequestStream:
         self.tenant = tenant
         # The id of the `generate`; a resume without an id of its own uses it.
         self.original_client_id = client_id
-        self.client_id = client_id
-        self.socket_id = socket_id
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self._detokenizer = detokenizer
         self._stop_matcher = StopStringMatcher(stop)
         self._accepted_at_s = accepted_at_s
         self._first_token_at_s: float | None = None
+        # When the request last moved (accepted, or a new token arrived): a
+        # request silent for too long is ended by the session's stall check.
+        self.last_progress_s = accepted_at_s
         self.next_seq = 0
         # Tokens that arrived ahead of a missing one, by index.
         self._pending: dict[int, SampledToken] = {}
@@ -99,6 +98,8 @@ class RequestStream:
         # An index beyond max_tokens cannot be real: buffering it would grow without bound.
         if self.finished or token.index < self.next_seq or token.index >= self.max_tokens:
             return update
+        if token.index not in self._pending:
+            self.last_progress_s = now_s
         self._pending[token.index] = token
         while not self.finished and self.next_seq in self._pending:
             self._emit(self._pending.pop(self.next_seq), now_s, update)

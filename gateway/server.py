@@ -1,20 +1,18 @@
 """The gateway actor: the asyncio shell around :class:`gateway.session.GatewaySession`.
 
-It owns the I/O and nothing else: a websockets server (``/ws``, ``/healthz``),
-one redis.asyncio client, one pub/sub reader for the gateway's tokens
-channel, one follower of request logs (``gateway/log_reader.py``), the
-tenant table's reloader, one heartbeat, and per socket one reader and one
-writer. Every task
-is owned by a TaskGroup and awaited. Shutdown, when ``stop`` is set, is
-ordered: stop accepting sockets and refuse new requests, let the requests in
-flight finish (at most ``drain_timeout_s``), close every socket (which cancels
-what is left upstream), then stop the reader and the heartbeat, then close Redis.
+Owns the gateway's tasks and the order they start and stop in: the
+websockets server (``/ws``, ``/healthz``; the handshake's decision is
+``gateway/handshake.py``'s), per socket one reader and one writer
+(``gateway/outbox.py``), the tokens channel (``gateway/token_channel.py``), the
+log follower (``gateway/log_reader.py``), the tokenizer jobs
+(``gateway/tokenizer_pool.py``), the tenant table's reloader, the heartbeat.
+Writes to Redis are ``gateway/upstream.py``'s. Every task is owned by a
+TaskGroup and awaited; shutdown is described in ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,53 +22,53 @@ from urllib.parse import urlsplit
 import structlog
 from redis.exceptions import AuthenticationError, RedisError
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.exceptions import ConnectionClosed, InvalidHeader
+from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
-from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway.actions import Action, DeadLetter, FollowLog, LoadLog, PostUpstream, SendFrame
+from gateway.actions import (
+    Action,
+    DeadLetter,
+    FollowLog,
+    LoadLog,
+    PostUpstream,
+    SendFrame,
+    Tokenize,
+)
+from gateway.handshake import Admitted, HandshakeRefused, decide, select_subprotocol
 from gateway.log_reader import LogReader
+from gateway.outbox import Outbox
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tenant_loader import TenantLoader
-from gateway.tenants import (
-    SUBPROTOCOL,
-    TOKENS_WINDOW_S,
-    AuthError,
-    Tenant,
-    TokenReservation,
-    UnprotectedHostError,
-    authenticate,
-    is_loopback_host,
-    over_tokens_per_minute,
-    presented_key,
-    tokens_window,
-)
+from gateway.tenants import OPEN_TENANT, Tenant, UnprotectedHostError, is_loopback_host
+from gateway.token_channel import TokenChannel
 from gateway.tokenizer import ChatTokenizer
-from gateway.validation import ModelLimits
-from shared.keys import MESSAGE_FIELD, RedisKeys
-from shared.messages import RequestRecord, SubmitRequest, encode
+from gateway.tokenizer_pool import TokenizerPool
+from gateway.upstream import UpstreamWriter
+from gateway.validation import ModelLimits, RequestValidationError
+from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set
+from shared.keys import RedisKeys
 from shared.protocol import Error, encode_json
 from shared.redis_streams import connect, reconnect_backoff_s
-from shared.request_log import (
-    queue_end,
-    queue_record,
-)
 from shared.settings import GatewaySettings
 
 logger = structlog.get_logger(__name__)
 
 WS_PATH = "/ws"
 HEALTH_PATH = "/healthz"
-# websockets' own limit, far above ours: an oversized frame still arrives, so
-# the client gets an `error` it can act on instead of a closed socket.
-LIBRARY_MAX_SIZE_FACTOR = 16
-POLL_S = 0.5
+# websockets' own frame limit, as a multiple of ours: 1, so a frame over the
+# limit closes its socket (1009) before it is buffered, and a compressed one
+# is never inflated past it (websockets caps the decompressed size too).
+LIBRARY_MAX_SIZE_FACTOR = 1
+# Frames websockets buffers per socket before it stops reading that socket:
+# with the frame limit, what one socket's unread input can hold.
+INCOMING_QUEUE_FRAMES = 4
 DRAIN_POLL_S = 0.05
 HEALTH_TIMEOUT_S = 1.0
 REDIS_TIMEOUT_S = 5.0
-DEAD_STREAM_MAX_LEN = 10_000
+REVOKED_REASON = "API key revoked"
+INTERNAL_MESSAGE = "internal error"
 
 
 class GatewayServer:
@@ -90,7 +88,11 @@ class GatewayServer:
                 gateway_id=settings.gateway_id,
                 max_frame_bytes=settings.max_frame_bytes,
                 max_requests_per_socket=settings.max_requests_per_socket,
+                max_requests_per_tenant=settings.max_requests_per_tenant,
+                max_tokenizing=settings.max_tokenizing,
+                default_max_queued=settings.default_max_queued,
                 detach_grace_s=settings.detach_grace_s,
+                stall_timeout_s=settings.request_stall_timeout_s,
             ),
             tokenizer,
             limits,
@@ -99,19 +101,29 @@ class GatewayServer:
         self._redis = connect(settings.redis.url, socket_timeout_s=REDIS_TIMEOUT_S)
         self._tenants = TenantLoader(settings.tenants_file, self._redis, self._keys.tenants)
         self._tenants_reload = asyncio.Event()
-        # Without any key the gateway is open, which only loopback may be.
-        self._open_allowed = is_loopback_host(settings.host)
-        # The tenant each handshake authenticated, until its socket handler takes it.
-        self._handshake_tenants: weakref.WeakKeyDictionary[ServerConnection, Tenant] = (
+        # Decided once, at start (``_load_tenants``): keys that go away later
+        # never open the gateway.
+        self._open_tenant: Tenant | None = None
+        # What each handshake decided, until its socket handler takes it.
+        self._handshakes: weakref.WeakKeyDictionary[ServerConnection, Admitted] = (
             weakref.WeakKeyDictionary()
         )
-        # Frames for each open socket, sent by that socket's writer task, so a
-        # slow client never stalls the pub/sub reader that feeds everyone. Not
-        # bounded here: a socket's frames are bounded by its in-flight limit
-        # times max_tokens, and keepalive pings drop dead peers.
-        self._outboxes: dict[int, asyncio.Queue[str | None]] = {}
+        self._outboxes: dict[int, Outbox] = {}
+        self._connections: dict[int, ServerConnection] = {}
         self._readers_stop = asyncio.Event()
+        self._upstream = UpstreamWriter(
+            self._redis, self._keys, self._session, settings.redis.log_retention_s
+        )
         self._logs = LogReader(self._redis, self._keys, self._session, self._apply)
+        self._channel = TokenChannel(
+            self._redis,
+            self._keys.tokens(settings.gateway_id),
+            self._on_gateway_message,
+            lambda: self._logs.catch_up(self._readers_stop),
+        )
+        self._pool = TokenizerPool(tokenizer, limits, settings.tokenizer_threads)
+        # The tokenizer jobs in flight; set while serving.
+        self._jobs: asyncio.TaskGroup | None = None
         self.listening = asyncio.Event()
         self.port: int | None = None
 
@@ -133,23 +145,29 @@ class GatewayServer:
         """Serve until ``stop`` is set, then shut down in order. Raises
         TenantConfigError for a broken tenants file, and UnprotectedHostError
         when asked to listen beyond loopback without any API key."""
-        subscribed = asyncio.Event()
         try:
-            await self._load_tenants(stop)
+            if not await self._load_tenants(stop):
+                return
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._read_tokens(subscribed), name="gateway-tokens")
+                tasks.create_task(self._channel.read_until(self._readers_stop), name="tokens")
                 tasks.create_task(self._heartbeat(), name="gateway-heartbeat")
                 tasks.create_task(self._watch_tenants(), name="gateway-tenants")
                 tasks.create_task(self._logs.follow_until(self._readers_stop), name="gateway-logs")
                 try:
                     # Serve only once tokens can reach us: a request accepted
                     # before the SUBSCRIBE is in place could lose its first tokens.
-                    await _wait_any(subscribed, stop)
+                    await _wait_any(self._channel.subscribed, stop)
                     if not stop.is_set():
-                        await self._serve(stop)
+                        async with asyncio.TaskGroup() as jobs:
+                            self._jobs = jobs
+                            try:
+                                await self._serve(stop)
+                            finally:
+                                self._jobs = None
                 finally:
                     self._readers_stop.set()
         finally:
+            self._pool.close()
             await self._redis.aclose()
             logger.info("gateway stopped")
 
@@ -161,6 +179,7 @@ class GatewayServer:
             process_request=self._process_request,
             select_subprotocol=_select_subprotocol,
             max_size=LIBRARY_MAX_SIZE_FACTOR * self.settings.max_frame_bytes,
+            max_queue=INCOMING_QUEUE_FRAMES,
         ) as server:
             self.port = int(next(iter(server.sockets)).getsockname()[1])
             logger.info("gateway listening", url=self.url, gateway_id=self.settings.gateway_id)
@@ -202,7 +221,7 @@ class GatewayServer:
     def _has_unsent_work(self) -> bool:
         """Requests in flight, or frames not yet handed to their socket."""
         return self._session.num_live_requests > 0 or any(
-            not outbox.empty() for outbox in self._outboxes.values()
+            not outbox.is_empty for outbox in self._outboxes.values()
         )
 
     # --- HTTP ------------------------------------------------------------------------
@@ -219,15 +238,22 @@ class GatewayServer:
             return connection.respond(
                 HTTPStatus.NOT_FOUND, f"not found; the endpoint is {WS_PATH}\n"
             )
-        key = presented_key(request.headers.get("Authorization"), _offered_subprotocols(request))
         try:
-            tenant = authenticate(self._tenants.table, key, open_allowed=self._open_allowed)
-        except AuthError as error:
-            logger.info("handshake refused", reason=str(error).strip())
-            response = connection.respond(HTTPStatus.UNAUTHORIZED, str(error))
-            response.headers["WWW-Authenticate"] = 'Bearer realm="orcapod"'
+            admitted = decide(
+                request.headers,
+                self._tenants.table,
+                open_tenant=self._open_tenant,
+                allowed_origins=self.settings.allowed_origins,
+            )
+        except HandshakeRefused as refused:
+            logger.info(
+                "handshake refused", status=int(refused.status), reason=refused.body.strip()
+            )
+            response = connection.respond(refused.status, refused.body)
+            if refused.challenge:
+                response.headers["WWW-Authenticate"] = 'Bearer realm="orcapod"'
             return response
-        self._handshake_tenants[connection] = tenant
+        self._handshakes[connection] = admitted
         return None
 
     async def _is_ready(self) -> bool:
@@ -242,184 +268,99 @@ class GatewayServer:
     # --- sockets ---------------------------------------------------------------------
 
     async def _serve_socket(self, connection: ServerConnection) -> None:
-        socket_id = self._session.connect(self._handshake_tenants.pop(connection))
-        outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        admitted = self._handshakes.pop(connection)
+        socket_id = self._session.connect(admitted.tenant, admitted.key_hash)
+        outbox = Outbox(self.settings.max_outbox_bytes)
         self._outboxes[socket_id] = outbox
+        self._connections[socket_id] = connection
         structlog.contextvars.bind_contextvars(socket_id=socket_id)
         logger.debug("socket opened", remote=str(connection.remote_address))
         try:
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(_write_frames(connection, outbox))
+                tasks.create_task(outbox.write_to(connection))
                 try:
                     async for frame in connection:
                         await self._apply(self._on_frame(socket_id, frame))
                 except ConnectionClosed:
                     pass
                 finally:
-                    outbox.put_nowait(None)  # the writer sends what is queued, then ends
+                    outbox.close()  # the writer sends what is queued, then ends
         finally:
             del self._outboxes[socket_id]
+            del self._connections[socket_id]
             await self._apply(self._session.disconnect(socket_id))
             logger.debug("socket closed", code=connection.close_code)
-
-    # --- Redis -----------------------------------------------------------------------
-
-    async def _read_tokens(self, subscribed: asyncio.Event) -> None:
-        """The one pub/sub reader: TokenBatch and RequestRejected for this gateway."""
-        channel = self._keys.tokens(self.settings.gateway_id)
-        pubsub = self._redis.pubsub()
-        failures = 0
-        # Our own flag: a SUBSCRIBE that failed to connect leaves redis-py's
-        # `subscribed` true without a connection to read from.
-        needs_subscribe = True
-        try:
-            while not self._readers_stop.is_set():
-                try:
-                    if needs_subscribe:
-                        await pubsub.subscribe(channel)
-                        needs_subscribe = False
-                    message = await pubsub.get_message(timeout=POLL_S)
-                except AuthenticationError:
-                    raise  # a wrong password stays wrong: no retry helps
-                except (RedisError, OSError) as error:
-                    # A fresh subscription on a fresh connection: redis-py's own
-                    # reconnect of a broken pub/sub connection can keep failing
-                    # long after Redis is back. What was published meanwhile is
-                    # read from the requests' logs once subscribed again.
-                    logger.warning("tokens channel unreachable", error=str(error))
-                    with contextlib.suppress(RedisError, OSError):
-                        await pubsub.aclose()
-                    pubsub = self._redis.pubsub()
-                    needs_subscribe = True
-                    await self._sleep_unless_stopping(reconnect_backoff_s(failures))
-                    failures += 1
-                    continue
-                failures = 0
-                if message is None:
-                    continue
-                if message["type"] == "subscribe":
-                    logger.info("subscribed", channel=channel)
-                    if subscribed.is_set():
-                        await self._logs.catch_up(self._readers_stop)
-                    subscribed.set()
-                elif message["type"] == "message":
-                    await self._apply(self._on_gateway_message(message["data"], channel))
-        finally:
-            with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()
 
     def _on_frame(self, socket_id: int, frame: str | bytes) -> list[Action]:
         try:
             return self._session.on_frame(socket_id, frame)
-        except Exception as error:
+        except Exception:
             # A bug must not take the socket (or the gateway) down with it.
             logger.exception("client frame failed")
-            return [SendFrame(socket_id, Error(code="internal", message=repr(error)))]
+            return [SendFrame(socket_id, Error(code="internal", message=INTERNAL_MESSAGE))]
 
-    def _on_gateway_message(self, data: bytes, channel: str) -> list[Action]:
+    async def _on_gateway_message(self, data: bytes) -> None:
+        channel = self._channel.channel
         try:
-            return self._session.on_gateway_message(data, channel)
+            actions = self._session.on_gateway_message(data, channel)
         except Exception as error:
             # The reader serves every socket of this gateway: keep it alive.
             logger.exception("gateway message failed", channel=channel)
-            return [DeadLetter(source=channel, error=repr(error), data=data)]
+            actions = [DeadLetter(source=channel, error=repr(error), data=data)]
+        await self._apply(actions)
 
-    async def _heartbeat(self) -> None:
-        """Keep this gateway's heartbeat key alive (TTL a few beats) until
-        shutdown, and let the session's clock tick."""
-        key = self._keys.gateway_heartbeat(self.settings.gateway_id)
-        ttl_ms = max(int(3_000 * self.settings.heartbeat_s), 1_000)
-        while not self._readers_stop.is_set():
-            try:
-                await self._redis.set(key, self.settings.gateway_id, px=ttl_ms)
-            except (RedisError, OSError) as error:
-                logger.warning("heartbeat failed", error=str(error))
-            # Requests left by a closed socket and not resumed in time end now.
-            await self._apply(self._session.on_tick())
-            await self._sleep_unless_stopping(self.settings.heartbeat_s)
-        try:
-            await self._redis.delete(key)
-        except (RedisError, OSError) as error:
-            logger.warning("could not remove the heartbeat key", error=str(error))
+    # --- the core's actions ----------------------------------------------------------
 
     async def _apply(self, actions: list[Action]) -> None:
         """Carry out the core's actions in order."""
         for action in actions:
             if isinstance(action, SendFrame):
-                outbox = self._outboxes.get(action.socket_id)
-                if outbox is not None:  # else the socket closed meanwhile
-                    outbox.put_nowait(encode_json(action.frame))
+                self._send(action)
+            elif isinstance(action, Tokenize):
+                self._start_tokenizing(action)
             elif isinstance(action, PostUpstream):
-                await self._post_upstream(action)
+                await self._apply(await self._upstream.post(action))
             elif isinstance(action, DeadLetter):
-                await self._dead_letter(action)
+                await self._upstream.dead_letter(action)
             elif isinstance(action, LoadLog):
                 await self._logs.load(action)
             elif isinstance(action, FollowLog):
                 self._logs.follow(action)
 
-    async def _post_upstream(self, action: PostUpstream) -> None:
-        message = action.message
-        if action.reservation is not None and isinstance(message, SubmitRequest):
-            refusal = await self._reserve_tokens(action.reservation, message.request_id)
-            if refusal:
-                await self._apply(refusal)
-                return
-        is_submit = isinstance(message, SubmitRequest)
-        stream = self._keys.requests if is_submit else self._keys.control
+    def _send(self, action: SendFrame) -> None:
+        outbox = self._outboxes.get(action.socket_id)
+        if outbox is None:  # the socket closed meanwhile
+            return
+        if not outbox.put(encode_json(action.frame).encode()):
+            # Its writer closes the socket (1013); its requests detach as on any close.
+            logger.warning("socket outbox over its limit", max_bytes=self.settings.max_outbox_bytes)
+
+    def _start_tokenizing(self, action: Tokenize) -> None:
+        if self._jobs is None:
+            # Not serving (a frame raced the shutdown): nobody waits for the answer.
+            return
+        self._jobs.create_task(self._tokenize(action), name="gateway-tokenize")
+
+    async def _tokenize(self, action: Tokenize) -> None:
+        """One tokenizer job, owned by the jobs TaskGroup; its result goes to the core."""
         try:
-            # One transaction: a request is submitted only with its log started.
-            pipe = self._redis.pipeline(transaction=True)
-            if isinstance(action.log_entry, RequestRecord):
-                queue_record(pipe, self._keys, action.log_entry)
-            elif action.log_entry is not None:
-                queue_end(pipe, self._keys, action.log_entry, self.settings.redis.log_retention_s)
-            pipe.xadd(stream, {MESSAGE_FIELD: encode(message)})
-            await pipe.execute()
-        except (RedisError, OSError) as error:
-            logger.error(
-                "could not post upstream",
-                request_id=message.request_id,
-                stream=stream,
-                error=str(error),
+            validated = await self._pool.tokenize(action.generate)
+        except RequestValidationError as error:
+            actions = self._session.on_tokenize_failed(action.request_id, error.code, error.message)
+        except Exception:
+            logger.exception("tokenizing failed", request_id=action.request_id)
+            actions = self._session.on_tokenize_failed(
+                action.request_id, "internal", INTERNAL_MESSAGE
             )
-            if is_submit:
-                await self._apply(self._session.on_submit_failed(message.request_id, str(error)))
-        except Exception as error:
-            # A bug (a message that cannot be encoded, say) ends this request
-            # with an error; it must not take the socket down with it.
-            logger.exception("posting upstream failed", request_id=message.request_id)
-            if is_submit:
-                await self._apply(self._session.on_submit_failed(message.request_id, repr(error)))
+        else:
+            actions = self._session.on_tokenized(action.request_id, action.generate, validated)
+        await self._apply(actions)
 
-    async def _reserve_tokens(
-        self, reservation: TokenReservation, request_id: str
-    ) -> list[Action] | None:
-        """Take the request's tokens from its tenant's budget of this minute, in a
-        counter all gateways share; the actions that end it when over (else None)."""
-        window, retry_in_s = tokens_window(time.time())
-        key = self._keys.tenant_tokens(reservation.tenant, window)
-        try:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.incrby(key, reservation.num_tokens)
-            # Two windows: the counter outlives its minute even on a skewed clock.
-            pipe.expire(key, 2 * TOKENS_WINDOW_S)
-            num_reserved, _ = await pipe.execute()
-            if int(num_reserved) <= reservation.tokens_per_minute:
-                return None
-            # A refused request takes nothing: give its tokens back.
-            await self._redis.decrby(key, reservation.num_tokens)
-        except (RedisError, OSError) as error:
-            logger.error("could not reserve tokens", request_id=request_id, error=str(error))
-            return self._session.on_submit_failed(request_id, str(error))
-        message = over_tokens_per_minute(
-            reservation, int(num_reserved) - reservation.num_tokens, retry_in_s
-        )
-        logger.info("request over its tenant's tokens per minute", request_id=request_id)
-        return self._session.on_submit_refused(request_id, "queue_full", message)
+    # --- tenants, heartbeat ----------------------------------------------------------
 
-    async def _load_tenants(self, stop: asyncio.Event) -> None:
-        """The first tenant table; waits for Redis (until ``stop``) to read its hash."""
+    async def _load_tenants(self, stop: asyncio.Event) -> bool:
+        """The first tenant table (waits for Redis, until ``stop``: then False),
+        and the one decision whether keyless clients are served."""
         failures = 0
         while True:
             try:
@@ -429,22 +370,26 @@ class GatewayServer:
                 raise  # a wrong password stays wrong: no retry helps
             except (RedisError, OSError) as error:
                 logger.warning("cannot read the tenants hash yet", error=str(error))
-            try:
-                async with asyncio.timeout(reconnect_backoff_s(failures)):
-                    await stop.wait()
-                return
-            except TimeoutError:
-                failures += 1
-        if self._tenants.table.num_keys == 0 and not self._open_allowed:
+            await sleep_unless_set(stop, reconnect_backoff_s(failures))
+            if stop.is_set():
+                return False
+            failures += 1
+        num_keys = self._tenants.table.num_keys
+        if self.settings.open or (num_keys == 0 and is_loopback_host(self.settings.host)):
+            self._open_tenant = OPEN_TENANT
+            logger.info("keyless clients are served as the open tenant", num_keys=num_keys)
+        elif num_keys == 0:
             raise UnprotectedHostError(
                 f"no API keys are configured (tenants file: {self.settings.tenants_file}, "
                 f"Redis hash: {self._keys.tenants}), so the gateway would be open to anyone "
-                f"on {self.settings.host}; add keys, or listen on 127.0.0.1"
+                f"on {self.settings.host}; add keys, listen on 127.0.0.1, or pass --open"
             )
+        return True
 
     async def _watch_tenants(self) -> None:
         """Re-read the tenants every ``tenants_reload_s`` (the file only when it
-        changed), and at once when asked (SIGHUP), until shutdown."""
+        changed), and at once when asked (SIGHUP), until shutdown; close the
+        sockets of keys that are gone."""
         while not self._readers_stop.is_set():
             try:
                 async with asyncio.timeout(self.settings.tenants_reload_s):
@@ -455,53 +400,45 @@ class GatewayServer:
                 return
             forced = self._tenants_reload.is_set()
             self._tenants_reload.clear()
-            await self._tenants.reload(force_file=forced)
+            if await self._tenants.reload(force_file=forced):
+                await self._close_revoked()
 
-    async def _dead_letter(self, action: DeadLetter) -> None:
+    async def _close_revoked(self) -> None:
+        revoked = self._session.table.sockets_without_key(self._tenants.table.by_hash.keys())
+        if revoked:
+            logger.info("closing the sockets of revoked keys", num_sockets=len(revoked))
+        async with asyncio.TaskGroup() as closing:
+            for socket_id in revoked:
+                connection = self._connections.get(socket_id)
+                if connection is not None:
+                    closing.create_task(
+                        connection.close(CloseCode.POLICY_VIOLATION, REVOKED_REASON)
+                    )
+
+    async def _heartbeat(self) -> None:
+        """Keep this gateway's heartbeat key alive until shutdown, and let the
+        session's clock tick."""
+        key = self._keys.gateway_heartbeat(self.settings.gateway_id)
+        ttl_ms = heartbeat_ttl_ms(self.settings.heartbeat_s)
+        while not self._readers_stop.is_set():
+            try:
+                await self._redis.set(key, self.settings.gateway_id, px=ttl_ms)
+            except (RedisError, OSError) as error:
+                logger.warning("heartbeat failed", error=str(error))
+            # Requests left by a closed socket and not resumed in time, and
+            # requests that stalled, end now.
+            await self._apply(self._session.on_tick())
+            await sleep_unless_set(self._readers_stop, self.settings.heartbeat_s)
         try:
-            await self._redis.xadd(
-                self._keys.dead,
-                {"source": action.source, "error": action.error, "data": action.data},
-                maxlen=DEAD_STREAM_MAX_LEN,
-                approximate=True,
-            )
+            await self._redis.delete(key)
         except (RedisError, OSError) as error:
-            logger.error("could not write to the dead stream", error=str(error))
-
-    async def _sleep_unless_stopping(self, delay_s: float) -> None:
-        try:
-            async with asyncio.timeout(delay_s):
-                await self._readers_stop.wait()
-        except TimeoutError:
-            pass
-
-
-async def _write_frames(connection: ServerConnection, outbox: asyncio.Queue[str | None]) -> None:
-    """Send one socket's frames in order until its reader says it is closed."""
-    while (frame := await outbox.get()) is not None:
-        try:
-            await connection.send(frame)
-        except ConnectionClosed:
-            return
-
-
-def _offered_subprotocols(request: Request) -> list[Subprotocol]:
-    """The subprotocols a handshake offers (none when the header is malformed)."""
-    offered: list[Subprotocol] = []
-    for value in request.headers.get_all("Sec-WebSocket-Protocol"):
-        try:
-            offered += parse_subprotocol(value)
-        except InvalidHeader:
-            return []
-    return offered
+            logger.warning("could not remove the heartbeat key", error=str(error))
 
 
 def _select_subprotocol(
     connection: ServerConnection, offered: Sequence[Subprotocol]
 ) -> Subprotocol | None:
-    """``orcapod`` when offered: a browser that sent its key as ``bearer.<key>``
-    needs one subprotocol selected, and never the one that holds the key."""
-    return Subprotocol(SUBPROTOCOL) if SUBPROTOCOL in offered else None
+    return select_subprotocol(offered)
 
 
 async def _wait_any(*events: asyncio.Event) -> None:

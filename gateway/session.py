@@ -1,17 +1,16 @@
 """The gateway's protocol core: sans-IO, no asyncio, no Redis, no websockets.
 
-Events go in (a socket opened, a client frame, a message from the gateway's
-pub/sub channel, a socket closed) and actions come out, in the order the
-shell must carry them out: frames to send to a socket, messages to add to a
-Redis stream, undecodable messages for the dead stream. Time comes from an
-injected clock, request ids from an injected factory, so tests drive it
-directly.
+Owns the protocol's rules: what a client frame, a token batch, a tokenized
+prompt, a request log or a tick does to the requests (``gateway/request_table.py``
+holds them, ``gateway/admission.py`` says which are taken on), and the actions
+(``gateway/actions.py``) the shell carries out in order. Time comes from an
+injected clock, request ids from an injected factory. The flow is described
+in ``docs/architecture.md`` (*Gateway*).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast, get_args
@@ -27,20 +26,35 @@ from gateway.actions import (
     PostUpstream,
     SendFrame,
     ServerFrame,
+    Tokenize,
+)
+from gateway.admission import (
+    SHUTTING_DOWN_MESSAGE,
+    Admission,
+    AdmissionLimits,
+    AdmissionRefused,
 )
 from gateway.request_stream import Completion, EmittedToken, RequestStream, StreamEvent
-from gateway.tenants import Tenant, TokenReservation
+from gateway.request_table import PendingRequest, RequestTable, Route
+from gateway.tenants import OPEN_TENANT_NAME, Tenant
 from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
-from gateway.validation import ModelLimits, RequestValidationError, validate_generate
+from gateway.validation import (
+    ModelLimits,
+    RequestValidationError,
+    ValidatedRequest,
+    check_generate,
+)
 from shared.messages import (
     CancelRequest,
     RequestAdopted,
     RequestEnded,
+    RequestFailed,
     RequestRecord,
     RequestRejected,
     SubmitRequest,
     TokenBatch,
     decode_gateway_message,
+    encode,
 )
 from shared.protocol import (
     Accepted,
@@ -50,15 +64,18 @@ from shared.protocol import (
     ErrorCode,
     Generate,
     Resume,
+    Timings,
     Token,
+    Usage,
     decode_client_message,
 )
 from shared.request_log import RequestLog
 
+__all__ = ["SHUTTING_DOWN_MESSAGE", "GatewaySession", "SessionConfig"]
+
 logger = structlog.get_logger(__name__)
 
 ERROR_CODES: frozenset[str] = frozenset(get_args(ErrorCode))
-SHUTTING_DOWN_MESSAGE = "gateway is shutting down, reconnect elsewhere"
 
 
 @dataclass(frozen=True)
@@ -68,12 +85,19 @@ class SessionConfig:
     gateway_id: str
     max_frame_bytes: int = 1 << 20
     max_requests_per_socket: int = 64
-    tenant: str = "default"
+    max_requests_per_tenant: int = 256
+    max_tokenizing: int = 64
+    default_max_queued: int | None = 256
+    # The tenant of sockets opened without one (the open tenant).
+    tenant: str = OPEN_TENANT_NAME
     # How long a finished request's frames stay available to `resume`.
     retention_s: float = 60.0
     # How long a request whose socket closed keeps running, waiting for a
     # `resume` (a network blip must not cost the answer); 0: cancel at once.
     detach_grace_s: float = 0.0
+    # A request without a token (or its end) this long since it was accepted
+    # or since its last token ends in an error: nothing lost waits forever.
+    stall_timeout_s: float = 300.0
 
 
 class _ClientIdProbe(msgspec.Struct):
@@ -98,105 +122,115 @@ class GatewaySession:
         self._limits = limits
         self._clock = clock
         self._new_request_id = new_request_id
-        self._next_socket_id = 0
-        # socket id -> (client id -> request id) of its live requests.
-        self._sockets: dict[int, dict[str, str]] = {}
-        # socket id -> the tenant its handshake authenticated.
-        self._socket_tenants: dict[int, Tenant] = {}
-        # Live and recently finished requests (the latter kept for resume).
-        self._streams: dict[str, RequestStream] = {}
-        # (cancel_at_s, request_id) of requests whose socket closed, in closing order.
-        self._detached: deque[tuple[float, str]] = deque()
-        # (finished_at_s, request_id) in finishing order, so expiry is O(1) per request.
-        self._finished: deque[tuple[float, str]] = deque()
-        # Set on shutdown: requests in flight go on, new ones are refused.
-        self._draining = False
+        self.table = RequestTable(config.retention_s, clock)
+        self._admission = Admission(
+            AdmissionLimits(
+                max_requests_per_socket=config.max_requests_per_socket,
+                max_requests_per_tenant=config.max_requests_per_tenant,
+                max_tokenizing=config.max_tokenizing,
+                default_max_queued=config.default_max_queued,
+            )
+        )
 
     @property
     def num_sockets(self) -> int:
         """Open sockets."""
-        return len(self._sockets)
+        return self.table.num_sockets
 
     @property
     def num_live_requests(self) -> int:
         """Requests in flight on open sockets (what a graceful shutdown waits for)."""
-        return sum(len(requests) for requests in self._sockets.values())
+        return self.table.num_attached
 
     def start_draining(self) -> None:
         """From now on every ``generate`` is refused; requests in flight go on."""
-        self._draining = True
+        self._admission.draining = True
 
     def live_request_ids(self, socket_id: int) -> list[str]:
         """The service's ids of the requests in flight on one socket."""
-        return list(self._sockets.get(socket_id, {}).values())
+        return self.table.request_ids_on(socket_id)
 
     def stream(self, request_id: str) -> RequestStream | None:
         """A live or retained request, if known."""
-        return self._streams.get(request_id)
+        return self.table.stream(request_id)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request still running here."""
+        return [stream.request_id for stream in self.table.live_streams()]
 
     # --- sockets ---------------------------------------------------------------------
 
-    def connect(self, tenant: Tenant | None = None) -> int:
-        """A socket of ``tenant`` opened (default: the open tenant of the config);
-        returns the id the other calls name it by."""
-        socket_id = self._next_socket_id
-        self._next_socket_id += 1
-        self._sockets[socket_id] = {}
-        self._socket_tenants[socket_id] = tenant or Tenant(name=self.config.tenant)
-        return socket_id
+    def connect(self, tenant: Tenant | None = None, key_hash: str | None = None) -> int:
+        """A socket of ``tenant`` opened (default: the open tenant of the config),
+        with the API key of sha256 ``key_hash``; returns the id the other calls
+        name it by."""
+        return self.table.open_socket(tenant or Tenant(name=self.config.tenant), key_hash)
 
     def disconnect(self, socket_id: int) -> list[Action]:
         """A socket closed: its live requests keep running for ``detach_grace_s``,
         waiting for a ``resume`` (``on_tick`` cancels them after that); with no
         grace, or while draining, they are cancelled upstream at once (their
-        log stays for resume either way)."""
-        self._expire()
-        requests = self._sockets.pop(socket_id, {})
-        self._socket_tenants.pop(socket_id, None)
+        log stays for resume either way). Prompts still being tokenized are dropped."""
+        self.table.expire()
+        streams, _ = self.table.close_socket(socket_id)
         now_s = self._clock()
-        streams = [self._streams[request_id] for request_id in requests.values()]
-        for stream in streams:
-            stream.socket_id = None
-        if self.config.detach_grace_s > 0 and not self._draining:
+        if self.config.detach_grace_s > 0 and not self._admission.draining:
             deadline_s = now_s + self.config.detach_grace_s
-            self._detached.extend((deadline_s, stream.request_id) for stream in streams)
+            for stream in streams:
+                self.table.detach_later(stream.request_id, deadline_s)
             if streams:
                 logger.info("socket closed, requests wait for a resume", num_requests=len(streams))
             return []
         if streams:
             logger.info("socket closed, requests cancelled", num_requests=len(streams))
-        return [self._cancel_detached(stream, now_s) for stream in streams]
+        actions: list[Action] = []
+        for stream in streams:
+            stream.cancel(now_s)
+            self.table.finish(stream)
+            actions.append(_cancel_upstream(stream))
+        return actions
 
     def on_tick(self) -> list[Action]:
         """Called every second or so: cancel the requests whose socket closed more
-        than ``detach_grace_s`` ago and that nobody resumed meanwhile."""
-        self._expire()
+        than ``detach_grace_s`` ago and that nobody resumed meanwhile, and end
+        the requests that made no progress for ``stall_timeout_s``."""
+        self.table.expire()
         now_s = self._clock()
         actions: list[Action] = []
-        while self._detached and self._detached[0][0] <= now_s:
-            _, request_id = self._detached.popleft()
-            stream = self._streams.get(request_id)
-            if stream is not None and stream.socket_id is None and not stream.finished:
-                # Another gateway may have taken it over: the scheduler, which
-                # knows, decides; a later resume (anywhere) reads the log.
-                logger.info("request not resumed here in time", request_id=request_id)
-                self._forget(stream)
-                cancel = CancelRequest(request_id=request_id, gateway_id=self.config.gateway_id)
-                actions.append(PostUpstream(cancel))
+        for stream in self.table.due_detached(now_s):
+            # Another gateway may have taken it over: the scheduler, which
+            # knows, decides; a later resume (anywhere) reads the log.
+            logger.info("request not resumed here in time", request_id=stream.request_id)
+            self.table.forget(stream)
+            cancel = CancelRequest(request_id=stream.request_id, gateway_id=self.config.gateway_id)
+            actions.append(PostUpstream(cancel))
+        horizon_s = now_s - self.config.stall_timeout_s
+        for stream in [s for s in self.table.live_streams() if s.last_progress_s <= horizon_s]:
+            actions += self._stalled(stream, now_s)
         return actions
 
-    def _cancel_detached(self, stream: RequestStream, now_s: float) -> PostUpstream:
+    def _stalled(self, stream: RequestStream, now_s: float) -> list[Action]:
+        logger.warning(
+            "request made no progress",
+            request_id=stream.request_id,
+            stall_timeout_s=self.config.stall_timeout_s,
+        )
+        route = self.table.route(stream.request_id)
         stream.cancel(now_s)
-        self._retain(stream)
-        return _cancel_upstream(stream)
+        self.table.finish(stream)
+        actions: list[Action] = [_cancel_upstream(stream)]
+        if route is not None:
+            message = f"the request made no progress for {self.config.stall_timeout_s:g} s"
+            actions += _error(route.socket_id, "internal", message, route.client_id)
+        return actions
 
     def on_frame(self, socket_id: int, frame: str | bytes) -> list[Action]:
         """A frame from the client on ``socket_id``."""
-        self._expire()
+        self.table.expire()
         if isinstance(frame, bytes):
-            return self._error(socket_id, "invalid_request", "binary frames are not supported")
+            return _error(socket_id, "invalid_request", "binary frames are not supported")
         if _is_over_bytes(frame, self.config.max_frame_bytes):
-            return self._error(
+            return _error(
                 socket_id,
                 "invalid_request",
                 f"frame over the limit of {self.config.max_frame_bytes} bytes",
@@ -204,171 +238,122 @@ class GatewaySession:
         try:
             message = decode_client_message(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            return self._error(socket_id, "invalid_request", str(error), _probe_client_id(frame))
+            return _error(socket_id, "invalid_request", str(error), _probe_client_id(frame))
         if isinstance(message, Generate):
             return self._generate(socket_id, message)
         if isinstance(message, Cancel):
             return self._cancel(socket_id, message)
         return self._resume(socket_id, message)
 
-    def on_submit_failed(self, request_id: str, reason: str) -> list[Action]:
-        """The SubmitRequest could not be added to Redis: the request ends in an error."""
-        return self.on_submit_refused(
-            request_id, "internal", f"could not queue the request: {reason}"
-        )
-
-    def on_submit_refused(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:
-        """The shell did not post the SubmitRequest (the tenant's tokens per
-        minute are spent): the accepted request ends in an ``error`` at once."""
-        stream = self._streams.get(request_id)
-        if stream is None or stream.finished:
-            return []
-        self._forget(stream)
-        if stream.socket_id is None:
-            return []
-        return self._error(stream.socket_id, code, message, stream.client_id)
-
-    # --- the gateway's pub/sub channel -------------------------------------------------
-
-    def on_gateway_message(self, data: bytes, source: str) -> list[Action]:
-        """A message from the gateway's tokens channel ``source``."""
-        self._expire()
-        try:
-            message = decode_gateway_message(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            logger.warning("undecodable gateway message", source=source, error=str(error))
-            return [DeadLetter(source=source, error=str(error), data=data)]
-        if isinstance(message, RequestRejected):
-            return self._rejected(message)
-        bad = [t for t in message.tokens if not 0 <= t.token_id < self._limits.vocab_size]
-        if bad:
-            # Checked before any of it is applied: a batch is taken whole or not at all.
-            reason = f"token id {bad[0].token_id} is outside the vocabulary"
-            logger.warning("malformed token batch", source=source, error=reason)
-            return [DeadLetter(source=source, error=reason, data=data)]
-        return self._tokens(message)
-
-    def _tokens(self, batch: TokenBatch) -> list[Action]:
-        now_s = self._clock()
-        actions: list[Action] = []
-        for token in batch.tokens:
-            stream = self._streams.get(token.request_id)
-            # Tokens of a request that ended here (cancel, stop string) still come
-            # until the scheduler has taken the cancel; they are dropped.
-            if stream is None or stream.finished:
-                continue
-            update = stream.add(token, now_s)
-            if stream.socket_id is not None:
-                actions.extend(self._frames(stream.socket_id, stream.client_id, update.events))
-            if update.cancel_upstream:
-                actions.append(_cancel_upstream(stream))
-            if stream.finished:
-                self._finish(stream)
-        return actions
-
-    def _rejected(self, rejected: RequestRejected) -> list[Action]:
-        stream = self._streams.get(rejected.request_id)
-        if stream is None or stream.finished:
-            return []
-        logger.info(
-            "request rejected by the scheduler",
-            request_id=rejected.request_id,
-            code=rejected.code,
-        )
-        self._forget(stream)
-        if stream.socket_id is None:
-            return []
-        code = cast(ErrorCode, rejected.code if rejected.code in ERROR_CODES else "internal")
-        return self._error(stream.socket_id, code, rejected.message, stream.client_id)
-
-    # --- client messages ---------------------------------------------------------------
+    # --- a generate: checked, tokenized off the loop, then submitted -----------------
 
     def _generate(self, socket_id: int, generate: Generate) -> list[Action]:
-        if self._draining:
-            return self._error(socket_id, "queue_full", SHUTTING_DOWN_MESSAGE, generate.id)
-        requests = self._sockets[socket_id]
-        if generate.id in requests:
-            return self._error(
-                socket_id,
-                "invalid_request",
-                f"a request with id {generate.id!r} is already in flight on this socket",
-                generate.id,
-            )
-        # Validation before capacity: a request that can never succeed should not
-        # be told to retry later.
-        tenant = self._socket_tenants[socket_id]
-        cap = tenant.max_tokens_per_request
-        if cap is not None and generate.max_tokens > cap:
-            return self._error(
-                socket_id,
-                "invalid_request",
-                f"max_tokens {generate.max_tokens} is over tenant {tenant.name!r}'s limit of {cap}",
-                generate.id,
-            )
+        # What can never succeed is said before what may succeed later (the caps).
         try:
-            validated = validate_generate(generate, self._tokenizer, self._limits)
-        except RequestValidationError as error:
-            return self._error(socket_id, error.code, error.message, generate.id)
-        reservation = _reservation(tenant, len(validated.prompt_ids) + generate.max_tokens)
-        if reservation is not None and reservation.num_tokens > reservation.tokens_per_minute:
-            return self._error(
-                socket_id,
-                "invalid_request",
-                f"prompt plus max_tokens is {reservation.num_tokens} tokens, more than tenant "
-                f"{tenant.name!r}'s tokens-per-minute limit of {reservation.tokens_per_minute}",
-                generate.id,
-            )
-        if len(requests) >= self.config.max_requests_per_socket:
-            return self._error(socket_id, "queue_full", self._too_many_message(), generate.id)
+            self._admission.check_generate(self.table, socket_id, generate)
+            check_generate(generate, self._limits)
+            self._admission.check_capacity(self.table, socket_id)
+        except (AdmissionRefused, RequestValidationError) as refused:
+            return _error(socket_id, refused.code, refused.message, generate.id)
         request_id = self._new_request_id()
-        self._streams[request_id] = RequestStream(
+        tenant = self.table.socket(socket_id).tenant
+        self.table.reserve(PendingRequest(request_id, tenant, Route(socket_id, generate.id)))
+        return [Tokenize(request_id, generate)]
+
+    def on_tokenized(
+        self, request_id: str, generate: Generate, validated: ValidatedRequest
+    ) -> list[Action]:
+        """The prompt of pending ``request_id`` is tokenized: accept and submit it
+        (unless it was cancelled, or its socket closed, meanwhile)."""
+        pending = self.table.take_pending(request_id)
+        if pending is None:
+            return []
+        socket_id, client_id = pending.route.socket_id, pending.route.client_id
+        tenant = pending.tenant
+        num_prompt_tokens = len(validated.prompt_ids)
+        try:
+            reservation = self._admission.reservation(
+                tenant, num_prompt_tokens + generate.max_tokens
+            )
+        except AdmissionRefused as refused:
+            return _error(socket_id, refused.code, refused.message, client_id)
+        now_s = self._clock()
+        stream = RequestStream(
             request_id=request_id,
             tenant=tenant.name,
-            client_id=generate.id,
-            socket_id=socket_id,
-            num_prompt_tokens=len(validated.prompt_ids),
+            client_id=client_id,
+            num_prompt_tokens=num_prompt_tokens,
             max_tokens=validated.sampling.max_tokens,
             detokenizer=IncrementalDetokenizer(self._tokenizer, validated.prompt_ids),
             stop=generate.stop,
-            accepted_at_s=self._clock(),
+            accepted_at_s=now_s,
         )
-        requests[generate.id] = request_id
+        self.table.add(stream, pending.route)
         submit = SubmitRequest(
             request_id=request_id,
             gateway_id=self.config.gateway_id,
             tenant=tenant.name,
             prompt_ids=validated.prompt_ids,
             sampling=validated.sampling,
-            limits=tenant.limits,
+            limits=self._admission.scheduler_limits(tenant),
         )
         # `accepted` first: a later `error` for the id (submit failed, scheduler
         # refused) then reads as the end of an accepted request, like `done`.
-        record = RequestRecord(submit=submit, client_id=generate.id, stop=list(generate.stop))
+        record = RequestRecord(submit=submit, client_id=client_id, stop=list(generate.stop))
         return [
-            SendFrame(socket_id, Accepted(id=generate.id, request_id=request_id)),
+            SendFrame(socket_id, Accepted(id=client_id, request_id=request_id)),
             PostUpstream(submit, log_entry=record, reservation=reservation),
         ]
 
+    def on_tokenize_failed(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:
+        """The prompt of pending ``request_id`` was refused (too long, a bad
+        template) or could not be tokenized now (``queue_full``)."""
+        pending = self.table.take_pending(request_id)
+        if pending is None:
+            return []
+        return _error(pending.route.socket_id, code, message, pending.route.client_id)
+
+    def on_submit_refused(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:
+        """The shell did not post the SubmitRequest (the tenant's tokens per
+        minute are spent, Redis refused it): the accepted request ends in an
+        ``error`` at once."""
+        stream = self.table.stream(request_id)
+        if stream is None or stream.finished:
+            return []
+        route = self.table.route(request_id)
+        self.table.forget(stream)
+        if route is None:
+            return []
+        return _error(route.socket_id, code, message, route.client_id)
+
+    # --- cancel and resume -----------------------------------------------------------
+
     def _cancel(self, socket_id: int, cancel: Cancel) -> list[Action]:
-        request_id = self._sockets[socket_id].get(cancel.id)
+        request_id = self.table.request_on(socket_id, cancel.id)
         if request_id is None:
-            return self._error(
+            return _error(
                 socket_id,
                 "invalid_request",
                 f"no request with id {cancel.id!r} is in flight on this socket",
                 cancel.id,
             )
-        stream = self._streams[request_id]
+        if self.table.take_pending(request_id) is not None:
+            # Nothing went upstream yet: the tokenizer's result will find no one.
+            usage = Usage(prompt_tokens=0, completion_tokens=0)
+            done = Done(cancel.id, "cancelled", usage, Timings(ttft_ms=None, total_ms=0.0))
+            return [SendFrame(socket_id, done)]
+        stream = self.table.stream(request_id)
+        assert stream is not None, "a request on a socket is pending or known"
         completion = stream.cancel(self._clock())
-        self._finish(stream)
-        return [_cancel_upstream(stream), *self._frames(socket_id, cancel.id, [completion])]
+        self.table.finish(stream)
+        return [_cancel_upstream(stream), *_frames(socket_id, cancel.id, [completion])]
 
     def _resume(self, socket_id: int, resume: Resume) -> list[Action]:
-        stream = self._streams.get(resume.request_id)
+        stream = self.table.stream(resume.request_id)
         if stream is None:
             # Maybe accepted by another gateway (one that died): its log says.
             return [LoadLog(socket_id, resume.request_id, resume)]
-        if stream.tenant != self._socket_tenants[socket_id].name:
+        if stream.tenant != self.table.socket(socket_id).tenant.name:
             # Answered exactly like an unknown id: another tenant's request never shows.
             return self._unknown_request(socket_id, resume)
         client_id = resume.id if resume.id is not None else stream.original_client_id
@@ -376,150 +361,196 @@ class GatewaySession:
             refusal = self._attach(socket_id, stream, client_id)
             if refusal is not None:
                 return refusal
-        return self._frames(socket_id, client_id, stream.replay(resume.after_seq))
+        return _frames(socket_id, client_id, stream.replay(resume.after_seq))
 
-    def on_log_loaded(self, socket_id: int, resume: Resume, log: RequestLog | None) -> list[Action]:
-        """The log a ``LoadLog`` asked for (None: there is none): take the request
-        over from the gateway that accepted it and serve the ``resume``."""
-        self._expire()
-        if socket_id not in self._sockets:
-            return []
-        if resume.request_id in self._streams:
-            # Meanwhile known here (two resumes raced): serve it as usual.
-            return self._resume(socket_id, resume)
-        if log is None or log.record.submit.tenant != self._socket_tenants[socket_id].name:
-            return self._unknown_request(socket_id, resume)
-        submit = log.record.submit
-        stream = RequestStream(
-            request_id=submit.request_id,
-            tenant=submit.tenant,
-            client_id=log.record.client_id,
-            socket_id=None,
-            num_prompt_tokens=len(submit.prompt_ids),
-            max_tokens=submit.sampling.max_tokens,
-            detokenizer=IncrementalDetokenizer(self._tokenizer, submit.prompt_ids),
-            stop=log.record.stop,
-            accepted_at_s=self._clock(),
-        )
-        self._streams[stream.request_id] = stream
-        now_s = self._clock()
-        for token in log.sampled_tokens():
-            stream.add(token, now_s)
-        if log.ended_after is not None and not stream.finished:
-            stream.cancel(now_s)
-        if stream.finished:
-            self._retain(stream)
-        logger.info("request taken over from its log", request_id=stream.request_id)
-        actions = self._resume(socket_id, resume)
-        if not stream.finished and stream.socket_id == socket_id:
-            adopted = RequestAdopted(stream.request_id, self.config.gateway_id)
-            actions += [FollowLog(stream.request_id, log.last_entry_id), PostUpstream(adopted)]
-        return actions
-
-    def on_log_entries(
-        self, request_id: str, entries: Sequence[RequestRecord | TokenBatch | RequestEnded]
-    ) -> list[Action]:
-        """New entries of a request's log (followed, or read again to fill what
-        pub/sub lost while Redis was unreachable); tokens already here are skipped."""
-        self._expire()
-        stream = self._streams.get(request_id)
-        if stream is None or stream.finished:
-            return []
-        actions: list[Action] = []
-        for entry in entries:
-            if isinstance(entry, TokenBatch):
-                tokens = [t for t in entry.tokens if 0 <= t.token_id < self._limits.vocab_size]
-                actions += self._tokens(TokenBatch(worker_id=entry.worker_id, tokens=tokens))
-            elif isinstance(entry, RequestEnded) and not stream.finished:
-                # Another gateway ended it (its client cancelled, or its socket closed).
-                completion = stream.cancel(self._clock())
-                if stream.socket_id is not None:
-                    actions += self._frames(stream.socket_id, stream.client_id, [completion])
-                self._finish(stream)
-            if stream.finished:
-                break
-        return actions
-
-    def unfinished_request_ids(self) -> list[str]:
-        """Every request still running here."""
-        return [request_id for request_id, s in self._streams.items() if not s.finished]
+    def _attach(self, socket_id: int, stream: RequestStream, client_id: str) -> list[Action] | None:
+        """Move a live request's frames to ``socket_id`` under ``client_id``; None when done."""
+        holder = self.table.request_on(socket_id, client_id)
+        if holder is not None and holder != stream.request_id:
+            return _error(
+                socket_id,
+                "invalid_request",
+                f"a request with id {client_id!r} is already in flight on this socket",
+                client_id,
+            )
+        route = self.table.route(stream.request_id)
+        if route is None or route.socket_id != socket_id:
+            try:
+                # The tenant already holds it: only the socket's cap applies.
+                self._admission.check_socket_room(self.table, socket_id)
+            except AdmissionRefused as refused:
+                return _error(socket_id, refused.code, refused.message, client_id)
+        self.table.attach(stream, Route(socket_id, client_id))
+        logger.info("request resumed", request_id=stream.request_id)
+        return None
 
     def _unknown_request(self, socket_id: int, resume: Resume) -> list[Action]:
-        return self._error(
+        return _error(
             socket_id,
             "invalid_request",
             f"unknown request_id {resume.request_id!r} (never accepted, or finished too long ago)",
             resume.id,
         )
 
-    def _attach(self, socket_id: int, stream: RequestStream, client_id: str) -> list[Action] | None:
-        """Move a live request's frames to ``socket_id`` under ``client_id``; None when done."""
-        requests = self._sockets[socket_id]
-        already_here = stream.socket_id == socket_id
-        holder = requests.get(client_id)
-        if holder is not None and holder != stream.request_id:
-            return self._error(
-                socket_id,
-                "invalid_request",
-                f"a request with id {client_id!r} is already in flight on this socket",
-                client_id,
-            )
-        if not already_here and len(requests) >= self.config.max_requests_per_socket:
-            return self._error(socket_id, "queue_full", self._too_many_message(), client_id)
-        if stream.socket_id in self._sockets:
-            # The old socket stops getting this request (and no longer cancels it on close).
-            self._sockets[stream.socket_id].pop(stream.client_id, None)
-        stream.socket_id = socket_id
-        stream.client_id = client_id
-        requests[client_id] = stream.request_id
-        logger.info("request resumed", request_id=stream.request_id)
-        return None
+    # --- the gateway's pub/sub channel -------------------------------------------------
 
-    # --- bookkeeping -------------------------------------------------------------------
+    def on_gateway_message(self, data: bytes, source: str) -> list[Action]:
+        """A message from the gateway's tokens channel ``source``."""
+        self.table.expire()
+        try:
+            message = decode_gateway_message(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            logger.warning("undecodable gateway message", source=source, error=str(error))
+            return [DeadLetter(source=source, error=str(error), data=data)]
+        if isinstance(message, RequestRejected):
+            return self._rejected(message)
+        return self._token_batch(message, source, data)
 
-    def _finish(self, stream: RequestStream) -> None:
-        """The request ended: it leaves its socket, its log stays for resume a while."""
-        if stream.socket_id in self._sockets:
-            self._sockets[stream.socket_id].pop(stream.client_id, None)
-        self._retain(stream)
+    def _token_batch(self, batch: TokenBatch, source: str, data: bytes | None) -> list[Action]:
+        """The one rule for a batch, from pub/sub or a log: a token id outside the
+        vocabulary makes the whole batch a dead letter (checked before any of it
+        is applied: a batch is taken whole or not at all)."""
+        bad = [t for t in batch.tokens if not 0 <= t.token_id < self._limits.vocab_size]
+        if bad:
+            reason = f"token id {bad[0].token_id} is outside the vocabulary"
+            logger.warning("malformed token batch", source=source, error=reason)
+            return [DeadLetter(source=source, error=reason, data=data or encode(batch))]
+        return self._tokens(batch)
 
-    def _retain(self, stream: RequestStream) -> None:
-        assert stream.finished_at_s is not None
-        self._finished.append((stream.finished_at_s, stream.request_id))
-
-    def _forget(self, stream: RequestStream) -> None:
-        if stream.socket_id in self._sockets:
-            self._sockets[stream.socket_id].pop(stream.client_id, None)
-        del self._streams[stream.request_id]
-
-    def _expire(self) -> None:
-        horizon_s = self._clock() - self.config.retention_s
-        while self._finished and self._finished[0][0] <= horizon_s:
-            _, request_id = self._finished.popleft()
-            self._streams.pop(request_id, None)
-
-    def _too_many_message(self) -> str:
-        return (
-            f"this socket already has {self.config.max_requests_per_socket} requests in flight"
-            " (the most allowed)"
-        )
-
-    def _frames(self, socket_id: int, client_id: str, events: list[StreamEvent]) -> list[Action]:
+    def _tokens(self, batch: TokenBatch) -> list[Action]:
+        now_s = self._clock()
         actions: list[Action] = []
-        for event in events:
-            if isinstance(event, EmittedToken):
-                frame: ServerFrame = Token(
-                    id=client_id, seq=event.seq, text=event.text, token_id=event.token_id
-                )
-            else:
-                frame = _done(client_id, event)
-            actions.append(SendFrame(socket_id, frame))
+        for token in batch.tokens:
+            stream = self.table.stream(token.request_id)
+            # Tokens of a request that ended here (cancel, stop string) still come
+            # until the scheduler has taken the cancel; they are dropped.
+            if stream is None or stream.finished:
+                continue
+            update = stream.add(token, now_s)
+            route = self.table.route(stream.request_id)
+            if route is not None:
+                actions += _frames(route.socket_id, route.client_id, update.events)
+            if update.cancel_upstream:
+                actions.append(_cancel_upstream(stream))
+            if stream.finished:
+                self.table.finish(stream)
         return actions
 
-    def _error(
-        self, socket_id: int, code: ErrorCode, message: str, client_id: str | None = None
+    def _rejected(self, rejected: RequestRejected) -> list[Action]:
+        stream = self.table.stream(rejected.request_id)
+        if stream is None or stream.finished:
+            return []
+        logger.info(
+            "request rejected by the scheduler",
+            request_id=rejected.request_id,
+            code=rejected.code,
+        )
+        return self._failed(rejected.request_id, rejected.code, rejected.message)
+
+    def _failed(self, request_id: str, code: str, message: str) -> list[Action]:
+        """The service ended a request with an error: the client gets it, with a known code."""
+        known = cast(ErrorCode, code if code in ERROR_CODES else "internal")
+        return self.on_submit_refused(request_id, known, message)
+
+    # --- request logs: a request taken over from another gateway ----------------------
+
+    def on_log_loaded(self, socket_id: int, resume: Resume, log: RequestLog | None) -> list[Action]:
+        """The log a ``LoadLog`` asked for (None: there is none): take the request
+        over from the gateway that accepted it and serve the ``resume``."""
+        self.table.expire()
+        if not self.table.has_socket(socket_id):
+            return []
+        if self.table.stream(resume.request_id) is not None:
+            # Meanwhile known here (two resumes raced): serve it as usual.
+            return self._resume(socket_id, resume)
+        tenant = self.table.socket(socket_id).tenant
+        if log is None or log.record.submit.tenant != tenant.name:
+            return self._unknown_request(socket_id, resume)
+        if log.failure is not None:
+            known = log.failure.code if log.failure.code in ERROR_CODES else "internal"
+            client_id = resume.id if resume.id is not None else log.record.client_id
+            return _error(socket_id, cast(ErrorCode, known), log.failure.message, client_id)
+        if log.ended_after is None:
+            try:
+                self._admission.check_socket_room(self.table, socket_id)
+                self._admission.check_tenant_room(self.table, tenant)
+            except AdmissionRefused as refused:
+                return _error(socket_id, refused.code, refused.message, resume.id)
+        submit = log.record.submit
+        now_s = self._clock()
+        stream = RequestStream(
+            request_id=submit.request_id,
+            tenant=submit.tenant,
+            client_id=log.record.client_id,
+            num_prompt_tokens=len(submit.prompt_ids),
+            max_tokens=submit.sampling.max_tokens,
+            detokenizer=IncrementalDetokenizer(self._tokenizer, submit.prompt_ids),
+            stop=log.record.stop,
+            accepted_at_s=now_s,
+        )
+        for token in log.sampled_tokens():
+            stream.add(token, now_s)
+        if log.ended_after is not None and not stream.finished:
+            stream.cancel(now_s)
+        self.table.add(stream, None)
+        logger.info("request taken over from its log", request_id=stream.request_id)
+        actions = self._resume(socket_id, resume)
+        route = self.table.route(stream.request_id)
+        if not stream.finished and route is not None and route.socket_id == socket_id:
+            adopted = RequestAdopted(stream.request_id, self.config.gateway_id)
+            actions += [FollowLog(stream.request_id, log.last_entry_id), PostUpstream(adopted)]
+        return actions
+
+    def on_log_entries(
+        self,
+        request_id: str,
+        entries: Sequence[RequestRecord | TokenBatch | RequestEnded | RequestFailed],
+        source: str = "request log",
     ) -> list[Action]:
-        return [SendFrame(socket_id, Error(code=code, message=message, id=client_id))]
+        """New entries of a request's log ``source`` (followed, or read again to
+        fill what pub/sub lost while Redis was unreachable); tokens already here
+        are skipped."""
+        self.table.expire()
+        stream = self.table.stream(request_id)
+        if stream is None or stream.finished:
+            return []
+        actions: list[Action] = []
+        for entry in entries:
+            if isinstance(entry, TokenBatch):
+                actions += self._token_batch(entry, source, None)
+            elif isinstance(entry, RequestEnded):
+                # Another gateway ended it (its client cancelled, or its socket closed).
+                route = self.table.route(request_id)
+                completion = stream.cancel(self._clock())
+                if route is not None:
+                    actions += _frames(route.socket_id, route.client_id, [completion])
+                self.table.finish(stream)
+            elif isinstance(entry, RequestFailed):
+                # The service ended it with an error (its gateway got a RequestRejected).
+                actions += self._failed(request_id, entry.code, entry.message)
+                break
+            if stream.finished:
+                break
+        return actions
+
+
+def _frames(socket_id: int, client_id: str, events: list[StreamEvent]) -> list[Action]:
+    actions: list[Action] = []
+    for event in events:
+        if isinstance(event, EmittedToken):
+            frame: ServerFrame = Token(
+                id=client_id, seq=event.seq, text=event.text, token_id=event.token_id
+            )
+        else:
+            frame = _done(client_id, event)
+        actions.append(SendFrame(socket_id, frame))
+    return actions
+
+
+def _error(
+    socket_id: int, code: ErrorCode, message: str, client_id: str | None = None
+) -> list[Action]:
+    return [SendFrame(socket_id, Error(code=code, message=message, id=client_id))]
 
 
 def _done(client_id: str, completion: Completion) -> Done:
@@ -546,15 +577,6 @@ def _probe_client_id(frame: str) -> str | None:
         return msgspec.json.decode(frame, type=_ClientIdProbe).id
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # deep nesting
         return None
-
-
-def _reservation(tenant: Tenant, num_tokens: int) -> TokenReservation | None:
-    """What a request takes of its tenant's per-minute budget (None: no budget)."""
-    if tenant.tokens_per_minute is None:
-        return None
-    return TokenReservation(
-        tenant=tenant.name, num_tokens=num_tokens, tokens_per_minute=tenant.tokens_per_minute
-    )
 
 
 def _cancel_upstream(stream: RequestStream) -> PostUpstream:

@@ -13,10 +13,8 @@ reads them, this module parses, merges and looks up. The TOML file::
     tokens_per_minute = 200000    # prompt + max_tokens reserved, over all gateways
     key_sha256 = ["<sha256 hex of a key>", ...]
 
-A handshake presents its key as ``Authorization: Bearer <key>`` or, where a
-browser cannot set headers, as the subprotocols ``["orcapod", "bearer.<key>"]``
-(the server then selects ``orcapod``, never the one holding the key). With no
-keys at all a loopback-only gateway serves one open tenant, ``default``.
+How a handshake presents its key, and when the open tenant ``default``
+serves keyless clients, is ``gateway/handshake.py``'s business.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import hmac
 import ipaddress
 import secrets
 import tomllib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -35,8 +33,6 @@ import msgspec
 from shared.messages import TenantLimits
 
 OPEN_TENANT_NAME = "default"
-SUBPROTOCOL = "orcapod"
-BEARER_SUBPROTOCOL_PREFIX = "bearer."
 # Generated keys start with it, so a leaked key is recognisable in a scan.
 GENERATED_KEY_PREFIX = "opk_"
 TOKENS_WINDOW_S = 60
@@ -54,10 +50,6 @@ class TenantConfigError(ValueError):
 
 class UnprotectedHostError(TenantConfigError):
     """A gateway asked to listen beyond loopback while no API key is configured."""
-
-
-class AuthError(Exception):
-    """A handshake without a valid API key; the message is the 401's body."""
 
 
 class TenantQuotas(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -203,44 +195,7 @@ def tenant_toml(tenant: Tenant, key_hashes: Iterable[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- the handshake ------------------------------------------------------------------
-
-
-def presented_key(authorization: str | None, subprotocols: Sequence[str]) -> str | None:
-    """The key a handshake presents: ``Authorization: Bearer <key>``, else a
-    ``bearer.<key>`` subprotocol; None when it presents none."""
-    if authorization is not None:
-        scheme, _, credentials = authorization.strip().partition(" ")
-        if scheme.lower() == "bearer" and credentials.strip():
-            return credentials.strip()
-    for subprotocol in subprotocols:
-        if subprotocol.startswith(BEARER_SUBPROTOCOL_PREFIX):
-            key = subprotocol[len(BEARER_SUBPROTOCOL_PREFIX) :]
-            if key:
-                return key
-    return None
-
-
-def authenticate(table: TenantTable, key: str | None, *, open_allowed: bool) -> Tenant:
-    """The tenant a handshake acts as; raises AuthError (a 401) when it has none.
-
-    ``open_allowed`` (the gateway listens on loopback only): with no key
-    configured anywhere, everyone is the open tenant. A non-loopback gateway
-    whose keys all went away refuses everyone rather than opening up.
-    """
-    if table.num_keys == 0:
-        if open_allowed:
-            return OPEN_TENANT
-        raise AuthError("no API keys are configured on this gateway\n")
-    if key is None:
-        raise AuthError(
-            "missing API key: send `Authorization: Bearer <key>` "
-            f"or the subprotocols {SUBPROTOCOL!r} and '{BEARER_SUBPROTOCOL_PREFIX}<key>'\n"
-        )
-    tenant = table.lookup(key)
-    if tenant is None:
-        raise AuthError("invalid API key\n")
-    return tenant
+# --- where the gateway may be open ---------------------------------------------
 
 
 def is_loopback_host(host: str) -> bool:

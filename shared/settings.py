@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -97,6 +100,32 @@ class GatewaySettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     # A closed socket's requests keep running this long, waiting for a resume.
     detach_grace_s: float = 30.0
+    # A tenant's live requests on this gateway, attached or detached.
+    max_requests_per_tenant: int = 256
+    # The scheduler's max_queued for a tenant whose record sets none: no
+    # tenant fills the scheduler's global queue alone.
+    default_max_queued: int = 256
+    # Threads that tokenize prompts off the event loop, and how many requests
+    # may wait for them before a generate gets queue_full.
+    tokenizer_threads: int = 2
+    max_tokenizing: int = 64
+    # Unsent frames one socket may hold; a client that does not read is closed (1013).
+    max_outbox_bytes: int = 8 << 20
+    # A request with no token (and no end) this long is ended with an error.
+    request_stall_timeout_s: float = 300.0
+    # Serve keyless clients as the open tenant even beyond loopback or with keys.
+    open: bool = False
+    # Origins a browser's handshake may come from (empty: the Host's own).
+    allowed_origins: tuple[str, ...] = ()
+
+
+def gateway_environment_default(
+    name: str, default: T, parse: Callable[[str], T], environ: Mapping[str, str] | None = None
+) -> T:
+    """A gateway flag's default: ``ORCAPOD_<NAME>`` when set, else ``default``."""
+    env = os.environ if environ is None else environ
+    value = env.get(f"ORCAPOD_{name.upper()}")
+    return default if value is None or value == "" else parse(value)
 
 
 @dataclass(frozen=True)

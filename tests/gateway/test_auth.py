@@ -111,7 +111,8 @@ def test_both_key_conventions_connect_as_their_tenant(
             await accept(socket, "q1", max_tokens=50)
             submit = await upstream.next_submit()
             assert submit.tenant == "a"
-            assert submit.limits == TenantLimits(weight=2.0, max_in_flight=3)
+            # No max_queued in its record: the gateway's default (256) goes to the scheduler.
+            assert submit.limits == TenantLimits(weight=2.0, max_queued=256, max_in_flight=3)
         # A browser's way: the key as a subprotocol; the server selects the other one.
         async with connect(server.url, subprotocols=["orcapod", f"bearer.{KEY_B}"]) as socket:
             assert socket.subprotocol == "orcapod"
@@ -119,7 +120,7 @@ def test_both_key_conventions_connect_as_their_tenant(
             assert socket.response.headers["Sec-WebSocket-Protocol"] == "orcapod"
             await accept(socket, "q1")
             submit = await upstream.next_submit()
-            assert submit.tenant == "b" and submit.limits == TenantLimits()
+            assert submit.tenant == "b" and submit.limits == TenantLimits(max_queued=256)
 
     run_with_gateway(
         redis_server, chat_tokenizer, model_limits, scenario, tenants_file=tenants_file
@@ -340,7 +341,7 @@ def test_without_keys_a_loopback_gateway_is_open_as_default(
         async with connect(server.url) as socket:
             await accept(socket, "q")
             submit = await upstream.next_submit()
-            assert submit.tenant == "default" and submit.limits == TenantLimits()
+            assert submit.tenant == "default" and submit.limits == TenantLimits(max_queued=256)
             await upstream.publish(*worker_tokens(chat_tokenizer, submit.request_id, "hi"))
             _, done = await receive_until_done(socket)
             assert isinstance(done, Done)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import msgspec
 import pytest
 
@@ -20,6 +18,7 @@ from shared.messages import (
     encode,
 )
 from shared.protocol import Accepted, Done, Error, Token
+from tests.gateway.session_driver import InlineTokenizingSession
 from tests.gateway.worker_tokens import worker_tokens
 
 
@@ -40,13 +39,11 @@ def clock() -> FakeClock:
 def session(
     chat_tokenizer: ChatTokenizer, model_limits: ModelLimits, clock: FakeClock
 ) -> GatewaySession:
-    counter = itertools.count()
-    return GatewaySession(
+    return InlineTokenizingSession(
         SessionConfig(gateway_id="gw", max_frame_bytes=4096, max_requests_per_socket=2),
         chat_tokenizer,
         model_limits,
         clock,
-        new_request_id=lambda: f"r{next(counter)}",
     )
 
 
@@ -222,7 +219,7 @@ def test_rejected_request_becomes_an_error_with_a_known_code(session: GatewaySes
 def test_failed_submit_ends_the_request(session: GatewaySession) -> None:
     socket_id = session.connect()
     request_id = generate(session, socket_id, "a")
-    [error] = frames(session.on_submit_failed(request_id, "redis is down"))
+    [error] = frames(session.on_submit_refused(request_id, "internal", "could not queue"))
     assert isinstance(error, Error) and error.code == "internal" and error.id == "a"
     assert session.stream(request_id) is None
 
@@ -264,7 +261,7 @@ def test_prompt_too_long_for_the_context(
     chat_tokenizer: ChatTokenizer, model_limits: ModelLimits, clock: FakeClock
 ) -> None:
     # A frame limit that lets 8150 prompt ids through; with max_tokens 50 they exceed 8192.
-    session = GatewaySession(
+    session = InlineTokenizingSession(
         SessionConfig(gateway_id="gw", max_frame_bytes=1 << 20), chat_tokenizer, model_limits, clock
     )
     socket_id = session.connect()
@@ -309,7 +306,7 @@ def test_a_closed_sockets_requests_wait_for_a_resume_then_end(
     judgement (a conditional cancel: another gateway may have taken it over)
     and forgotten here, so a later resume reads its log."""
     config = SessionConfig(gateway_id="gw", detach_grace_s=10.0)
-    session = GatewaySession(config, chat_tokenizer, model_limits, clock)
+    session = InlineTokenizingSession(config, chat_tokenizer, model_limits, clock)
     old = session.connect()
     kept = generate(session, old, "a")
     dropped = generate(session, old, "b")

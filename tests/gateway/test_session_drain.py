@@ -5,18 +5,19 @@ from __future__ import annotations
 import msgspec
 
 from gateway.actions import SendFrame
-from gateway.session import SHUTTING_DOWN_MESSAGE, GatewaySession, SessionConfig
+from gateway.session import SHUTTING_DOWN_MESSAGE, SessionConfig
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
 from shared.messages import TokenBatch, encode
 from shared.protocol import Accepted, Done, Error
+from tests.gateway.session_driver import InlineTokenizingSession
 from tests.gateway.worker_tokens import worker_tokens
 
 
 def test_draining_refuses_new_requests_and_lets_live_ones_finish(
     chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
-    session = GatewaySession(
+    session = InlineTokenizingSession(
         SessionConfig(gateway_id="gw"), chat_tokenizer, model_limits, clock=lambda: 0.0
     )
     socket_id = session.connect()

@@ -13,19 +13,17 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway import tenants_cli
+from gateway.handshake import AuthError, authenticate, presented_key
 from gateway.tenant_loader import TenantLoader
 from gateway.tenants import (
     OPEN_TENANT,
-    AuthError,
     Tenant,
     TenantConfigError,
     TokenReservation,
-    authenticate,
     hash_key,
     is_loopback_host,
     over_tokens_per_minute,
     parse_tenants_toml,
-    presented_key,
     tenant_toml,
     tokens_window,
 )
@@ -119,15 +117,22 @@ def test_presented_key_from_either_header() -> None:
 def test_authenticate_decides_the_handshake() -> None:
     table = parse_tenants_toml(EXAMPLE)
     empty = parse_tenants_toml("")
-    assert authenticate(empty, None, open_allowed=True) is OPEN_TENANT
     assert OPEN_TENANT.name == "default"
-    with pytest.raises(AuthError, match="no API keys"):
-        authenticate(empty, None, open_allowed=False)
-    with pytest.raises(AuthError, match="missing API key"):
-        authenticate(table, None, open_allowed=True)
+    # Open (decided at start): keyless clients are the open tenant; a key is
+    # ignored while none is configured, checked once some are.
+    assert authenticate(empty, None, open_tenant=OPEN_TENANT) is OPEN_TENANT
+    assert authenticate(empty, "any", open_tenant=OPEN_TENANT) is OPEN_TENANT
+    assert authenticate(table, None, open_tenant=OPEN_TENANT) is OPEN_TENANT
     with pytest.raises(AuthError, match="invalid API key"):
-        authenticate(table, "wrong", open_allowed=True)
-    assert authenticate(table, KEY_A, open_allowed=False).name == "acme"
+        authenticate(table, "wrong", open_tenant=OPEN_TENANT)
+    # Not open: a table whose keys all went away refuses everyone.
+    with pytest.raises(AuthError, match="missing API key"):
+        authenticate(empty, None, open_tenant=None)
+    with pytest.raises(AuthError, match="invalid API key"):
+        authenticate(empty, KEY_A, open_tenant=None)
+    with pytest.raises(AuthError, match="missing API key"):
+        authenticate(table, None, open_tenant=None)
+    assert authenticate(table, KEY_A, open_tenant=None).name == "acme"
 
 
 def test_loopback_hosts() -> None:

@@ -1,0 +1,127 @@
+"""Admission: every check a ``generate`` (or a ``resume`` onto a socket) passes
+before the gateway takes it on, and the caps behind them. Pure.
+
+The caps: draining refuses everything new; a socket holds at most
+``max_requests_per_socket`` requests; a tenant at most
+``max_requests_per_tenant`` on this gateway, attached or detached (a client
+that opens and drops sockets cannot pile up requests); at most
+``max_tokenizing`` requests wait for the tokenizer pool; a tenant's
+``max_tokens_per_request``; a request that could never fit its tenant's
+tokens per minute; and, applied by the scheduler, ``default_max_queued`` for
+a tenant whose record sets no ``max_queued``. The per-minute budget itself is taken in Redis by the
+shell (``gateway/upstream.py``), the only place all gateways share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from gateway.request_table import RequestTable
+from gateway.tenants import Tenant, TokenReservation
+from shared.messages import TenantLimits
+from shared.protocol import ErrorCode, Generate
+
+SHUTTING_DOWN_MESSAGE = "gateway is shutting down, reconnect elsewhere"
+BUSY_MESSAGE = "gateway busy, retry"
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The gateway's own caps (the tenant's come with its ``Tenant``)."""
+
+    max_requests_per_socket: int = 64
+    max_requests_per_tenant: int = 256
+    # Requests whose prompt waits for (or is in) the tokenizer pool.
+    max_tokenizing: int = 64
+    # The scheduler's max_queued for a tenant whose record sets none.
+    default_max_queued: int | None = 256
+
+
+class AdmissionRefused(Exception):
+    """A request the gateway does not take on; ``code`` is the protocol error code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
+        self.message = message
+
+
+class Admission:
+    """The checks, in the order a client is best served by: what can never
+    succeed (``invalid_request``) before what may succeed later (``queue_full``)."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.draining = False
+
+    def check_generate(self, table: RequestTable, socket_id: int, generate: Generate) -> None:
+        """Raise AdmissionRefused when ``generate`` is refused whatever the load
+        (or the gateway is draining); the caps come after the request's own
+        checks (``check_capacity``), so a request that can never succeed is
+        not told to retry later."""
+        if self.draining:
+            raise AdmissionRefused("queue_full", SHUTTING_DOWN_MESSAGE)
+        if table.request_on(socket_id, generate.id) is not None:
+            raise AdmissionRefused(
+                "invalid_request",
+                f"a request with id {generate.id!r} is already in flight on this socket",
+            )
+        tenant = table.socket(socket_id).tenant
+        cap = tenant.max_tokens_per_request
+        if cap is not None and generate.max_tokens > cap:
+            raise AdmissionRefused(
+                "invalid_request",
+                f"max_tokens {generate.max_tokens} is over tenant {tenant.name!r}'s limit of {cap}",
+            )
+
+    def check_capacity(self, table: RequestTable, socket_id: int) -> None:
+        """Raise AdmissionRefused unless a new request may be tokenized now."""
+        self.check_socket_room(table, socket_id)
+        self.check_tenant_room(table, table.socket(socket_id).tenant)
+        if table.num_pending >= self.limits.max_tokenizing:
+            raise AdmissionRefused("queue_full", BUSY_MESSAGE)
+
+    def check_socket_room(self, table: RequestTable, socket_id: int) -> None:
+        """Raise AdmissionRefused when the socket holds as many requests as it may."""
+        if table.num_on_socket(socket_id) >= self.limits.max_requests_per_socket:
+            raise AdmissionRefused(
+                "queue_full",
+                f"this socket already has {self.limits.max_requests_per_socket} requests in "
+                "flight (the most allowed)",
+            )
+
+    def check_tenant_room(self, table: RequestTable, tenant: Tenant) -> None:
+        """Raise AdmissionRefused when the tenant holds as many requests here as it may."""
+        if table.num_live_of_tenant(tenant.name) >= self.limits.max_requests_per_tenant:
+            raise AdmissionRefused(
+                "queue_full",
+                f"tenant {tenant.name!r} already has {self.limits.max_requests_per_tenant} "
+                "requests in flight on this gateway (the most allowed)",
+            )
+
+    def reservation(self, tenant: Tenant, num_tokens: int) -> TokenReservation | None:
+        """What a request of ``num_tokens`` (prompt + max_tokens) takes of its
+        tenant's per-minute budget (None: no budget); raises AdmissionRefused
+        when it is more than a whole minute's budget (it could never run)."""
+        if tenant.tokens_per_minute is None:
+            return None
+        if num_tokens > tenant.tokens_per_minute:
+            raise AdmissionRefused(
+                "invalid_request",
+                f"prompt plus max_tokens is {num_tokens} tokens, more than tenant "
+                f"{tenant.name!r}'s tokens-per-minute limit of {tenant.tokens_per_minute}",
+            )
+        return TokenReservation(
+            tenant=tenant.name, num_tokens=num_tokens, tokens_per_minute=tenant.tokens_per_minute
+        )
+
+    def scheduler_limits(self, tenant: Tenant) -> TenantLimits:
+        """What the scheduler enforces for ``tenant``'s requests: its own limits,
+        with the default ``max_queued`` where it sets none (so no tenant fills
+        the scheduler's global queue alone)."""
+        limits = tenant.limits
+        if limits.max_queued is None and self.limits.default_max_queued is not None:
+            return msgspec.structs.replace(limits, max_queued=self.limits.default_max_queued)
+        return limits

@@ -1,0 +1,145 @@
+"""The websocket handshake's decision: who a connection is (its API key and
+tenant), whether its page may talk to us (``Origin``), and which subprotocol
+the server selects. Pure: headers in, a tenant or a refusal out.
+
+A key comes as ``Authorization: Bearer <key>`` or, where a browser cannot set
+headers, as the subprotocols ``["orcapod", "bearer.<key>"]`` (the server then
+selects ``orcapod``, never the one holding the key). The open tenant exists
+only when the gateway decided so at start (``open_tenant``); keys that go
+away later never open the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from websockets.datastructures import Headers
+from websockets.exceptions import InvalidHeader
+from websockets.headers import parse_subprotocol
+from websockets.typing import Subprotocol
+
+from gateway.tenants import Tenant, TenantTable, hash_key
+
+SUBPROTOCOL = "orcapod"
+BEARER_SUBPROTOCOL_PREFIX = "bearer."
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A handshake that may open a socket, as ``tenant``."""
+
+    tenant: Tenant
+    # sha256 of the key it presented (None: the open tenant): a revoked key
+    # closes the sockets that used it.
+    key_hash: str | None
+
+
+class HandshakeRefused(Exception):
+    """A handshake that does not open a socket: the HTTP status and body to answer."""
+
+    def __init__(self, status: HTTPStatus, body: str, *, challenge: bool = False) -> None:
+        super().__init__(body)
+        self.status = status
+        self.body = body
+        # A 401 names the scheme the client should use.
+        self.challenge = challenge
+
+
+class AuthError(HandshakeRefused):
+    """A handshake without a valid API key (401)."""
+
+    def __init__(self, body: str) -> None:
+        super().__init__(HTTPStatus.UNAUTHORIZED, body, challenge=True)
+
+
+def decide(
+    headers: Headers,
+    table: TenantTable,
+    *,
+    open_tenant: Tenant | None,
+    allowed_origins: Collection[str],
+) -> Admitted:
+    """Who the handshake with ``headers`` is; raises HandshakeRefused (403 for
+    a foreign origin, 401 without a valid key)."""
+    check_origin(headers.get("Origin"), headers.get("Host"), allowed_origins)
+    key = presented_key(headers.get("Authorization"), offered_subprotocols(headers))
+    tenant = authenticate(table, key, open_tenant=open_tenant)
+    return Admitted(tenant=tenant, key_hash=None if key is None else hash_key(key))
+
+
+def check_origin(origin: str | None, host: str | None, allowed: Collection[str]) -> None:
+    """Refuse (403) a browser's handshake from a page of another site.
+
+    Browsers send ``Origin`` on every websocket handshake and let any page open
+    one to any address, localhost included; other clients send none and pass.
+    ``allowed`` empty: the page must come from the host it connects to.
+    """
+    if origin is None:
+        return
+    normalized = origin.strip().rstrip("/").lower()
+    if allowed:
+        permitted = {entry.strip().rstrip("/").lower() for entry in allowed}
+    elif host:
+        permitted = {f"http://{host.strip().lower()}", f"https://{host.strip().lower()}"}
+    else:
+        permitted = set()
+    if normalized not in permitted:
+        raise HandshakeRefused(
+            HTTPStatus.FORBIDDEN, "origin not allowed (see the gateway's --allowed-origin)\n"
+        )
+
+
+def presented_key(authorization: str | None, subprotocols: Sequence[str]) -> str | None:
+    """The key a handshake presents: ``Authorization: Bearer <key>``, else a
+    ``bearer.<key>`` subprotocol; None when it presents none."""
+    if authorization is not None:
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and credentials.strip():
+            return credentials.strip()
+    for subprotocol in subprotocols:
+        if subprotocol.startswith(BEARER_SUBPROTOCOL_PREFIX):
+            key = subprotocol[len(BEARER_SUBPROTOCOL_PREFIX) :]
+            if key:
+                return key
+    return None
+
+
+def authenticate(table: TenantTable, key: str | None, *, open_tenant: Tenant | None) -> Tenant:
+    """The tenant a handshake acts as; raises AuthError (a 401) when it has none.
+
+    With an ``open_tenant`` (decided at start), a handshake without a key is
+    that tenant, and so is one with a key while no key is configured (a
+    client that always sends its key still reaches a keyless local gateway);
+    otherwise a key must be a valid one. Without an open tenant nothing
+    changes that: a table whose keys all went away refuses everyone.
+    """
+    if open_tenant is not None and (key is None or table.num_keys == 0):
+        return open_tenant
+    if key is None:
+        raise AuthError(
+            "missing API key: send `Authorization: Bearer <key>` "
+            f"or the subprotocols {SUBPROTOCOL!r} and '{BEARER_SUBPROTOCOL_PREFIX}<key>'\n"
+        )
+    tenant = table.lookup(key)
+    if tenant is None:
+        raise AuthError("invalid API key\n")
+    return tenant
+
+
+def offered_subprotocols(headers: Headers) -> list[Subprotocol]:
+    """The subprotocols a handshake offers (none when the header is malformed)."""
+    offered: list[Subprotocol] = []
+    for value in headers.get_all("Sec-WebSocket-Protocol"):
+        try:
+            offered += parse_subprotocol(value)
+        except InvalidHeader:
+            return []
+    return offered
+
+
+def select_subprotocol(offered: Sequence[Subprotocol]) -> Subprotocol | None:
+    """``orcapod`` when offered: a browser that sent its key as ``bearer.<key>``
+    needs one subprotocol selected, and never the one that holds the key."""
+    return Subprotocol(SUBPROTOCOL) if SUBPROTOCOL in offered else None

@@ -1,0 +1,85 @@
+"""One socket's outbox: the frames queued for it, bounded in bytes, and the
+writer task that sends them in order.
+
+The pub/sub reader that feeds every socket only ever queues here, so a slow
+client never stalls the others; the byte cap keeps a client that stops
+reading from holding the gateway's memory: over it, the socket is closed
+(1013, try again later) and its requests detach as on any close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.frames import CloseCode
+
+OVERFLOW_REASON = "client too slow: its unread frames went over the limit"
+
+
+class Outbox:
+    """Frames for one socket, at most ``max_bytes`` of them unsent."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._frames: deque[bytes] = deque()
+        self._num_bytes = 0
+        self._ready = asyncio.Event()
+        self._closed = False
+        self.overflowed = False
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing left to send."""
+        return not self._frames
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes queued and not yet handed to the socket."""
+        return self._num_bytes
+
+    def put(self, frame: bytes) -> bool:
+        """Queue ``frame`` (the UTF-8 of one text frame); False (and nothing
+        queued) once over the cap: the socket is then to be closed."""
+        if self._closed or self.overflowed:
+            return False
+        size = len(frame)
+        if self._num_bytes + size > self._max_bytes:
+            self.overflowed = True
+            self._frames.clear()
+            self._num_bytes = 0
+            self._ready.set()
+            return False
+        self._frames.append(frame)
+        self._num_bytes += size
+        self._ready.set()
+        return True
+
+    def close(self) -> None:
+        """No more frames: the writer sends what is queued, then ends."""
+        self._closed = True
+        self._ready.set()
+
+    async def write_to(self, connection: ServerConnection) -> None:
+        """Send the frames in order until ``close``; on overflow close the socket (1013)."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            if self.overflowed:
+                await connection.close(CloseCode.TRY_AGAIN_LATER, OVERFLOW_REASON)
+                return
+            while self._frames:
+                frame = self._frames.popleft()
+                self._num_bytes -= len(frame)
+                try:
+                    await connection.send(frame, text=True)
+                except ConnectionClosed:
+                    return
+                if self.overflowed:
+                    break
+            if self.overflowed:
+                continue
+            if self._closed and not self._frames:
+                return

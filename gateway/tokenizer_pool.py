@@ -1,0 +1,40 @@
+"""The tokenizer pool: a few threads that render chat templates and tokenize
+prompts, so a 100,000-character prompt never holds the event loop that serves
+every other socket's tokens.
+
+The pool's queue is bounded by the session, not here: at most
+``max_tokenizing`` requests are pending at once (``gateway/admission.py``);
+past that a ``generate`` is refused with ``queue_full`` before it is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from gateway.tokenizer import ChatTokenizer
+from gateway.validation import ModelLimits, ValidatedRequest, tokenize_generate
+from shared.protocol import Generate
+
+
+class TokenizerPool:
+    """``num_threads`` threads running ``tokenize_generate``; ``close`` waits for them."""
+
+    def __init__(self, tokenizer: ChatTokenizer, limits: ModelLimits, num_threads: int) -> None:
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._executor = ThreadPoolExecutor(
+            max_workers=num_threads, thread_name_prefix="gateway-tokenize"
+        )
+
+    async def tokenize(self, generate: Generate) -> ValidatedRequest:
+        """The tokenized request, computed on a pool thread; raises
+        RequestValidationError like ``tokenize_generate``."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, tokenize_generate, generate, self._tokenizer, self._limits
+        )
+
+    def close(self) -> None:
+        """Drop queued jobs and wait for the running ones (their results go nowhere)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,129 @@
+"""The gateway's writer to Redis: ``PostUpstream`` (a submit with its log
+record, a cancel with its log end, an adoption), the tenant's tokens-per-minute
+reservation before a submit, and dead letters.
+
+What Redis answers is turned into what a client may be told: a refused write
+(out of memory under ``maxmemory noeviction``) is ``queue_full``, anything
+else ``internal``, and neither carries Redis's text, which is only logged.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError, ResponseError
+
+from gateway.actions import Action, DeadLetter, PostUpstream
+from gateway.session import GatewaySession
+from gateway.tenants import TOKENS_WINDOW_S, TokenReservation, over_tokens_per_minute, tokens_window
+from shared.keys import RedisKeys
+from shared.messages import RequestRecord, SubmitRequest
+from shared.protocol import ErrorCode
+from shared.redis_streams import dead_letter, xadd_message
+from shared.request_log import queue_end, queue_record
+
+logger = structlog.get_logger(__name__)
+
+OVERLOADED_MESSAGE = "service overloaded, retry later"
+UNAVAILABLE_MESSAGE = "could not queue the request, retry later"
+
+
+def client_refusal(error: Exception) -> tuple[ErrorCode, str]:
+    """What a client is told when Redis did not take its request's write."""
+    if isinstance(error, ResponseError) and str(error).startswith("OOM"):
+        return "queue_full", OVERLOADED_MESSAGE
+    return "internal", UNAVAILABLE_MESSAGE
+
+
+class UpstreamWriter:
+    """Writes for one gateway; each call returns the session's follow-up actions."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: RedisKeys,
+        session: GatewaySession,
+        log_retention_s: int,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._session = session
+        self._log_retention_s = log_retention_s
+
+    async def post(self, action: PostUpstream) -> list[Action]:
+        """XADD the message (with its log entry, in one transaction); a submit
+        first reserves its tokens. Returns the actions that end a submit that
+        did not go through."""
+        message = action.message
+        is_submit = isinstance(message, SubmitRequest)
+        if action.reservation is not None and is_submit:
+            refusal = await self._reserve_tokens(action.reservation, message.request_id)
+            if refusal:
+                return refusal
+        stream = self._keys.requests if is_submit else self._keys.control
+        try:
+            # One transaction: a request is submitted only with its log started.
+            pipe = self._redis.pipeline(transaction=True)
+            if isinstance(action.log_entry, RequestRecord):
+                queue_record(pipe, self._keys, action.log_entry)
+            elif action.log_entry is not None:
+                queue_end(pipe, self._keys, action.log_entry, self._log_retention_s)
+            xadd_message(pipe, stream, message)
+            await pipe.execute()
+        except (RedisError, OSError) as error:
+            logger.error(
+                "could not post upstream",
+                request_id=message.request_id,
+                stream=stream,
+                error=str(error),
+            )
+            if is_submit:
+                code, text = client_refusal(error)
+                return self._session.on_submit_refused(message.request_id, code, text)
+        except Exception:
+            # A bug (a message that cannot be encoded, say) ends this request
+            # with an error; it must not take the socket down with it.
+            logger.exception("posting upstream failed", request_id=message.request_id)
+            if is_submit:
+                return self._session.on_submit_refused(
+                    message.request_id, "internal", UNAVAILABLE_MESSAGE
+                )
+        return []
+
+    async def dead_letter(self, action: DeadLetter) -> None:
+        """Keep a message nobody could handle in the dead stream (logged when Redis refuses)."""
+        try:
+            await dead_letter(
+                self._redis, self._keys.dead, action.source, action.error, action.data
+            )
+        except (RedisError, OSError) as error:
+            logger.error("could not write to the dead stream", error=str(error))
+
+    async def _reserve_tokens(
+        self, reservation: TokenReservation, request_id: str
+    ) -> list[Action] | None:
+        """Take the request's tokens from its tenant's budget of this minute, in a
+        counter all gateways share; the actions that end it when over (else None)."""
+        window, retry_in_s = tokens_window(time.time())
+        key = self._keys.tenant_tokens(reservation.tenant, window)
+        try:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.incrby(key, reservation.num_tokens)
+            # Two windows: the counter outlives its minute even on a skewed clock.
+            pipe.expire(key, 2 * TOKENS_WINDOW_S)
+            num_reserved, _ = await pipe.execute()
+            if int(num_reserved) <= reservation.tokens_per_minute:
+                return None
+            # A refused request takes nothing: give its tokens back.
+            await self._redis.decrby(key, reservation.num_tokens)
+        except (RedisError, OSError) as error:
+            logger.error("could not reserve tokens", request_id=request_id, error=str(error))
+            code, text = client_refusal(error)
+            return self._session.on_submit_refused(request_id, code, text)
+        message = over_tokens_per_minute(
+            reservation, int(num_reserved) - reservation.num_tokens, retry_in_s
+        )
+        logger.info("request over its tenant's tokens per minute", request_id=request_id)
+        return self._session.on_submit_refused(request_id, "queue_full", message)
