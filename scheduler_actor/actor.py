@@ -16,6 +16,12 @@ new epoch, so workers drop the old plans' state, and recovers every pending
 request with its tokens from the log: it is recomputed from prompt + those
 tokens, and the client sees each token once.
 
+Every request that ends here with an error (refused at submit, or on two
+workers that failed) is told to its gateway (``RequestRejected``) and ended
+in its log (``RequestFailed``, which also shortens the log's TTL to the
+retention), and its submit is acknowledged and deleted. A request a worker
+reported failed was told and logged by that worker; here its submit is acked.
+
 Overlap: workers join with ``max_inflight`` 2, so the core keeps a second
 plan queued behind the one running. A result wakes the blocked XREADGROUP at
 once and the plan that replaces it goes out in the same turn; a worker thus
@@ -51,6 +57,7 @@ from shared.messages import (
     CancelRequest,
     RequestAdopted,
     RequestEnded,
+    RequestFailed,
     RequestRejected,
     StepOutput,
     SubmitRequest,
@@ -61,6 +68,7 @@ from shared.messages import (
     encode,
 )
 from shared.redis_streams import (
+    PLAN_STREAM_MAXLEN,
     StreamEntry,
     ensure_group,
     read_group,
@@ -68,16 +76,13 @@ from shared.redis_streams import (
     reconnect_backoff_s,
     xadd_message,
 )
-from shared.request_log import queue_end, read_request_logs
+from shared.request_log import queue_end, queue_failure, read_request_logs
 from shared.settings import SchedulerSettings
 
 READ_BLOCK_MS = 100
 READ_COUNT = 1024
 HOUSEKEEPING_S = 1.0
 READY_TTL_S = 3
-# Plans are read within a step of being sent (at most max_inflight are unread),
-# so keeping about this many bounds the stream without ever losing one.
-PLAN_STREAM_MAXLEN = 1000
 SUMMARY_EVERY_S = 10.0
 CONSUMER_NAME = "scheduler"
 
@@ -182,9 +187,12 @@ class SchedulerActor:
             while not stop.is_set():
                 try:
                     await self.start()
-                    failures = 0
                     while not stop.is_set():
                         await self.turn()
+                        # Only a turn that went through resets the backoff: a Redis
+                        # that lets start() through and refuses every write (OOM)
+                        # must not restart an incarnation ten times a second.
+                        failures = 0
                 except AuthenticationError:
                     raise  # a wrong password stays wrong: no retry helps
                 except RedisRestartedError:
@@ -352,11 +360,35 @@ class SchedulerActor:
         if code is not None:
             self._counters.num_rejected += 1
             _log.info("request_rejected", request_id=message.request_id, code=code, reason=reason)
-            rejection = RequestRejected(request_id=message.request_id, code=code, message=reason)
-            pipe.publish(self.keys.tokens(message.gateway_id), encode(rejection))
+            # A duplicate's id belongs to a live request: its log is not this submit's to end.
+            self._reject(
+                message.request_id,
+                message.gateway_id,
+                code,
+                reason,
+                pipe,
+                end_log=message.request_id not in self.core.requests,
+            )
             self._ack(pipe, self.keys.requests, entry_id)
         else:
             self._submit_entry_ids[message.request_id] = entry_id
+
+    def _reject(
+        self,
+        request_id: str,
+        gateway_id: str,
+        code: str,
+        reason: str,
+        pipe: Pipeline,
+        end_log: bool = True,
+    ) -> None:
+        """Tell the gateway the request ended with an error and, with
+        ``end_log``, end its log (kept ``log_retention_s`` from now on)."""
+        rejection = RequestRejected(request_id=request_id, code=code, message=reason)
+        pipe.publish(self.keys.tokens(gateway_id), encode(rejection))
+        if end_log:
+            failed = RequestFailed(request_id=request_id, code=code, message=reason)
+            queue_failure(pipe, self.keys, failed, self.settings.redis.log_retention_s)
 
     async def _join(self, message: WorkerJoined, pipe: Pipeline) -> bool:
         worker_id = message.worker_id
@@ -386,11 +418,23 @@ class SchedulerActor:
         return True
 
     def _lose(self, worker_id: str, reason: str, pipe: Pipeline) -> None:
-        """Forget a worker; its requests wait again and are recomputed elsewhere."""
+        """Forget a worker; its requests wait again and are recomputed elsewhere,
+        except those it was the second failed worker of: they end with an error."""
         num_placed = len(self.core.workers[worker_id].placed)
-        self._ack_finished(self.core.worker_lost(worker_id), pipe)
+        # A clean leave (SIGTERM) is no failure of the worker's requests.
+        ended = self.core.worker_lost(worker_id, failed=reason != "left")
+        failed = [request for request in ended if request.finish_reason == "error"]
+        for request in failed:
+            self._reject(request.request_id, request.gateway_id, "internal", request.error, pipe)
+        self._ack_finished(ended, pipe)
         self._workers_alive.forget(worker_id)
-        _log.warning("worker_lost", worker_id=worker_id, reason=reason, num_requeued=num_placed)
+        _log.warning(
+            "worker_lost",
+            worker_id=worker_id,
+            reason=reason,
+            num_requeued=num_placed - len(failed),
+            failed_request_ids=[request.request_id for request in failed],
+        )
 
     async def _check_heartbeats(self, now: float, turn_pipe: Pipeline) -> None:
         """Lose silent workers; cancel the requests of gateways silent for

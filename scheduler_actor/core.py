@@ -5,6 +5,10 @@ Events: ``submit``, ``cancel``, ``worker_joined``, ``worker_lost`` and
 next StepPlan for that worker, or None when it has nothing to run or already
 has ``max_inflight`` plans outstanding. Events that end requests return the
 FinishedRequest records to deliver to clients.
+
+No poison pill: a request a worker reports failed ends with "error" and is
+never placed again, and a request that was on ``MAX_WORKERS_LOST`` workers
+that failed under it ends with "error" instead of going to another one.
 """
 
 from __future__ import annotations
@@ -23,11 +27,16 @@ from scheduler_actor.errors import (
 )
 from scheduler_actor.plan_builder import PlanBuilder
 from scheduler_actor.policy import make_policy
-from scheduler_actor.request import FinishedRequest, Request, RequestStatus
+from scheduler_actor.request import EndReason, FinishedRequest, Request, RequestStatus
 from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
 from scheduler_actor.worker_state import WorkerState
 from shared.messages import FinishReason, SamplingParams, StepOutput, StepPlan, TenantLimits
+
+# A request on this many workers that failed (heartbeat lost, re-joined after a
+# crash) while it ran ends with an error: it may be what kills them.
+MAX_WORKERS_LOST = 2
+WORKERS_LOST_MESSAGE = "the request was on two workers that failed"
 
 
 class Scheduler:
@@ -161,17 +170,27 @@ class Scheduler:
         )
         self._next_join_seq += 1
 
-    def worker_lost(self, worker_id: str) -> list[FinishedRequest]:
+    def worker_lost(self, worker_id: str, failed: bool = True) -> list[FinishedRequest]:
         """Forget a worker: its requests wait again, to be recomputed from the
-        prompt plus the tokens already generated; results it held are released."""
+        prompt plus the tokens already generated; results it held are released.
+
+        ``failed``: the worker died or vanished (not a clean leave); a request
+        that was on ``MAX_WORKERS_LOST`` such workers ends with "error" (its
+        record is returned) instead of going to another one."""
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             raise UnknownWorkerError(worker_id)
+        ended = [self._release(request) for request in worker.held]
         for request in sorted(worker.placed.values(), key=_arrival_seq):
+            request.num_workers_lost += int(failed)
             request.unplace()
-            self.tenants.unplaced(request.tenant)
-            self._policy.enqueue(request)
-        return [self._release(request) for request in worker.held]
+            if request.num_workers_lost >= MAX_WORKERS_LOST:
+                self.tenants.left_running(request.tenant)
+                ended.append(self._end_with_error(request, WORKERS_LOST_MESSAGE))
+            else:
+                self.tenants.unplaced(request.tenant)
+                self._policy.enqueue(request)
+        return ended
 
     def next_plan(self, worker_id: str) -> StepPlan | None:
         """The worker's next iteration, or None when it has nothing to run or
@@ -206,6 +225,14 @@ class Scheduler:
             if planned.status is RequestStatus.PLACED and planned.worker_id == worker.worker_id:
                 planned.num_inflight -= 1
         released: list[FinishedRequest] = []
+        for failure in output.failed:
+            request = self._requests.get(failure.request_id)
+            if (
+                request is not None
+                and request.status is RequestStatus.PLACED
+                and request.worker_id == worker.worker_id
+            ):
+                released += self._fail(worker, request, failure.message)
         for token in output.tokens:
             request = self._requests.get(token.request_id)
             if (
@@ -224,8 +251,22 @@ class Scheduler:
                 released += self._finish(worker, request, reason)
         return released
 
+    def _fail(self, worker: WorkerState, request: Request, error: str) -> list[FinishedRequest]:
+        """The worker ended the request with an error (and freed its blocks): it
+        ends here too, never placed again; it holds no batch back."""
+        del worker.placed[request.request_id]
+        self.tenants.left_running(request.tenant)
+        worker.ledger.free(request.num_blocks)
+        return [self._end_with_error(request, error), *self._release_batch_if_done(worker)]
+
+    def _end_with_error(self, request: Request, error: str) -> FinishedRequest:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = "error"
+        request.error = error
+        return self._release(request)
+
     def _finish(
-        self, worker: WorkerState, request: Request, reason: FinishReason
+        self, worker: WorkerState, request: Request, reason: EndReason
     ) -> list[FinishedRequest]:
         # The worker frees a finished request's blocks itself.
         request.status = RequestStatus.FINISHED
@@ -257,6 +298,8 @@ class Scheduler:
             arrival_s=request.arrival_s,
             finish_s=self._clock(),
             num_preemptions=request.num_preemptions,
+            error=request.error,
+            gateway_id=request.gateway_id,
         )
 
     def _is_preferred(self, worker: WorkerState, request: Request) -> bool:

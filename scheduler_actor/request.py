@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 from shared.messages import FinishReason, SamplingParams
+
+# How a request ended in the scheduler: a worker's finish reason, a cancel, or
+# "error" (it failed in a step, or was on too many lost workers; ``error`` says why).
+EndReason = FinishReason | Literal["error"]
 
 
 class RequestStatus(enum.Enum):
@@ -40,7 +45,8 @@ class Request:
     arrival_seq: int
     status: RequestStatus = RequestStatus.WAITING
     generated_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    finish_reason: EndReason | None = None
+    error: str = ""  # for finish_reason "error": plain text for the client
     worker_id: str | None = None
     context_ids: list[int] = field(default_factory=list)
     num_prefill_planned: int = 0
@@ -51,6 +57,8 @@ class Request:
     num_preemptions: int = 0
     is_prompt_charged: bool = False
     gateway_id: str = ""
+    # Workers lost (heartbeat timeout, re-join after a crash) while it was placed on them.
+    num_workers_lost: int = 0
 
     @property
     def max_tokens(self) -> int:
@@ -112,7 +120,9 @@ class FinishedRequest:
     request_id: str
     tenant: str
     token_ids: list[int]
-    finish_reason: FinishReason
+    finish_reason: EndReason
     arrival_s: float
     finish_s: float
     num_preemptions: int
+    error: str = ""  # why, for finish_reason "error"
+    gateway_id: str = ""  # where the request was served when it ended
