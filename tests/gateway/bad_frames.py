@@ -1,7 +1,10 @@
 """Hypothesis strategies for client frames the gateway must refuse, each with its error code.
 
 Every frame drawn here is invalid on its own (never valid by accident of a
-combination), so the property can demand an `error` for each one. The model's
+combination), so the property can demand an `error` for each one. The caps of
+shared/protocol.py's ProtocolLimits are drawn here where a frame under
+MAX_FRAME_BYTES can break them (the character cap on prompts cannot:
+tests/gateway/test_validation_limits.py has it). The model's
 numbers are constants because strategies are built at import time;
 test_protocol_fuzz.py checks them against the real model.
 """
@@ -14,7 +17,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from shared.protocol import ErrorCode
+from shared.protocol import PROTOCOL_LIMITS, ErrorCode
 
 CONTEXT_TOKENS = 8192  # SmolLM2's max_position_embeddings
 VOCAB_SIZE = 49152
@@ -96,16 +99,41 @@ NOT_NUMBER = st.booleans() | ANY_TEXT | CONTAINERS | st.none()
 # Wrong for every integer field but after_seq (where -1 is allowed).
 HUGE_OR_NEGATIVE = st.sampled_from([-1, -(2**63) - 1, 2**63, 2**64 - 1, 2**64, 10**30])
 BAD_ID = st.just("") | st.text(min_size=129, max_size=140) | NOT_STR | st.none()
-GOOD_MESSAGE = st.fixed_dictionaries({"role": st.just("user"), "content": SENDABLE_TEXT})
+ALLOWED_ROLES = sorted(PROTOCOL_LIMITS.allowed_roles)
+GOOD_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(ALLOWED_ROLES), "content": SENDABLE_TEXT}
+)
+# Roles the template would render but the protocol does not take (near misses too).
+UNKNOWN_ROLE = st.sampled_from(["User", "developer", "user ", "system\n", "<|im_start|>"]) | (
+    ANY_TEXT.filter(lambda role: role not in PROTOCOL_LIMITS.allowed_roles)
+)
 BAD_MESSAGE = st.one_of(
     SCALARS,
     st.fixed_dictionaries({"role": st.just("") | st.text(min_size=33, max_size=40) | NOT_STR}),
+    st.fixed_dictionaries({"role": UNKNOWN_ROLE, "content": SENDABLE_TEXT}),
     st.fixed_dictionaries({"role": st.just("user"), "content": NOT_STR | st.none()}),
     st.fixed_dictionaries({"role": st.just("user")}),
     st.fixed_dictionaries({"content": SENDABLE_TEXT}),
     st.fixed_dictionaries({"role": st.just("user"), "content": st.just("x"), "name": SCALARS}),
 )
 BAD_TOKEN_ID = st.integers(max_value=-1) | st.integers(min_value=VOCAB_SIZE) | NOT_INT | st.none()
+
+
+# Valid stop strings, too many of them.
+TOO_MANY_STOP_STRINGS = st.lists(
+    SENDABLE_TEXT.filter(bool).map(lambda text: text[:8]),
+    min_size=PROTOCOL_LIMITS.max_stop_strings + 1,
+    max_size=PROTOCOL_LIMITS.max_stop_strings + 8,
+)
+# Few enough valid stop strings, too many UTF-8 bytes together: 5 to 16 strings of
+# 205 to 256 characters of 1 to 4 bytes each make over 1024 bytes.
+TOO_MANY_STOP_BYTES = st.lists(
+    st.tuples(st.sampled_from(["x", "é", "€", "🦩"]), st.integers(205, 256)).map(
+        lambda pair: pair[0] * pair[1]
+    ),
+    min_size=5,
+    max_size=PROTOCOL_LIMITS.max_stop_strings,
+)
 
 
 def _with_one_bad(good: st.SearchStrategy[Any], bad: st.SearchStrategy[Any]) -> Any:
@@ -149,7 +177,13 @@ NUMBER_RANGES: dict[str, Any] = {
 BAD_GENERATE_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "id": BAD_ID,
     "prompt": NOT_STR,
-    "messages": st.just([]) | NOT_STR | _with_one_bad(GOOD_MESSAGE, BAD_MESSAGE),
+    "messages": st.just([])
+    | NOT_STR
+    | _with_one_bad(GOOD_MESSAGE, BAD_MESSAGE)
+    # Over the count (short ones: the frame stays under max_frame_bytes).
+    | st.integers(PROTOCOL_LIMITS.max_messages + 1, PROTOCOL_LIMITS.max_messages + 40).map(
+        lambda count: [{"role": "user", "content": "x"}] * count
+    ),
     "prompt_token_ids": st.just([]) | NOT_A_LIST | _with_one_bad(st.integers(0, 100), BAD_TOKEN_ID),
     "max_tokens": st.integers(max_value=0)
     | st.integers(min_value=MAX_TOKENS_LIMIT + 1)
@@ -163,7 +197,9 @@ BAD_GENERATE_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "seed": st.integers(max_value=-1) | st.integers(min_value=2**63) | HUGE_OR_NEGATIVE | NOT_INT,
     "stop": NOT_A_LIST
     | st.none()
-    | _with_one_bad(SENDABLE_TEXT.filter(bool), st.just("") | st.text(min_size=257) | NOT_STR),
+    | _with_one_bad(SENDABLE_TEXT.filter(bool), st.just("") | st.text(min_size=257) | NOT_STR)
+    | TOO_MANY_STOP_STRINGS
+    | TOO_MANY_STOP_BYTES,
     "ignore_eos": st.integers() | st.floats() | ANY_TEXT | CONTAINERS | st.none(),
     "an unknown field": SCALARS,
 }
