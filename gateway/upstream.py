@@ -13,7 +13,7 @@ import time
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from gateway.actions import Action, DeadLetter, PostUpstream
 from gateway.session import GatewaySession
@@ -32,7 +32,11 @@ UNAVAILABLE_MESSAGE = "could not queue the request, retry later"
 
 def client_refusal(error: Exception) -> tuple[ErrorCode, str]:
     """What a client is told when Redis did not take its request's write."""
-    if isinstance(error, ResponseError) and str(error).startswith("OOM"):
+    # redis-py names the OOM reply by its class (and drops the "OOM" prefix);
+    # the prefix is checked too for a reply it does not know as such.
+    if isinstance(error, OutOfMemoryError) or (
+        isinstance(error, ResponseError) and str(error).startswith("OOM")
+    ):
         return "queue_full", OVERLOADED_MESSAGE
     return "internal", UNAVAILABLE_MESSAGE
 
