@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_actor.config import PolicyName, SchedulerConfig
+from scheduler_actor.core import MAX_WORKERS_LOST, WORKERS_LOST_MESSAGE
 from tests.scheduler_actor.harness import Job, run
 
 PROPERTY_SETTINGS = settings(
@@ -73,8 +74,9 @@ def scenario(draw, policy: PolicyName, with_faults: bool = True):
     return config, trace, spec, lost
 
 
-def _check_outcome(trace, outcome) -> None:
+def _check_outcome(trace, outcome, lost_ticks=None) -> None:
     assert len(outcome.finished) == len(trace), "a request was lost"
+    num_losses = len(lost_ticks or {})
     for index, job in enumerate(trace):
         item = outcome.finished[f"r{index}"]
         tokens = item.token_ids
@@ -84,6 +86,9 @@ def _check_outcome(trace, outcome) -> None:
             assert len(tokens) == job.max_tokens
         elif item.finish_reason == "stop":
             assert len(tokens) == job.stop_index + 1
+        elif item.finish_reason == "error":
+            # Only a request that two lost workers held ends with an error.
+            assert item.error == WORKERS_LOST_MESSAGE and num_losses >= MAX_WORKERS_LOST
         else:
             assert job.cancel_tick is not None
 
@@ -92,21 +97,21 @@ def _check_outcome(trace, outcome) -> None:
 @given(scenario(PolicyName.FAIR))
 def test_fair_invariants(case) -> None:
     config, trace, spec, lost = case
-    _check_outcome(trace, run(config, trace, lost_ticks=lost, **spec))
+    _check_outcome(trace, run(config, trace, lost_ticks=lost, **spec), lost)
 
 
 @PROPERTY_SETTINGS
 @given(scenario(PolicyName.ORCA))
 def test_orca_invariants(case) -> None:
     config, trace, spec, lost = case
-    _check_outcome(trace, run(config, trace, lost_ticks=lost, **spec))
+    _check_outcome(trace, run(config, trace, lost_ticks=lost, **spec), lost)
 
 
 @PROPERTY_SETTINGS
 @given(scenario(PolicyName.REQUEST))
 def test_request_invariants(case) -> None:
     config, trace, spec, lost = case
-    _check_outcome(trace, run(config, trace, lost_ticks=lost, **spec))
+    _check_outcome(trace, run(config, trace, lost_ticks=lost, **spec), lost)
 
 
 @PROPERTY_SETTINGS
