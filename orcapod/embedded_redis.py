@@ -2,7 +2,10 @@
 
 It listens on a free loopback port, keeps its data in a temporary folder,
 and requires a random password, so nothing else on the machine can use it
-by accident.
+by accident. Its memory is capped (``maxmemory``, default 512 MB) with the
+``noeviction`` policy: a full Redis refuses writes ("OOM command not
+allowed"), which every actor retries with backoff, rather than dropping keys
+(a request log, a pending submit) that the service's durability rests on.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orcapod.processes import Child, start_child
+
+DEFAULT_MAXMEMORY = "512mb"
 
 INSTALL_HINT = (
     "redis-server is not installed. Install it (Debian/Ubuntu: sudo apt-get install "
@@ -43,8 +48,13 @@ def free_loopback_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_embedded_redis(timeout_s: float = 10.0) -> EmbeddedRedis:
-    """Start redis-server and wait until it accepts connections."""
+def start_embedded_redis(
+    timeout_s: float = 10.0, maxmemory: str = DEFAULT_MAXMEMORY
+) -> EmbeddedRedis:
+    """Start redis-server (capped at ``maxmemory``, a redis size like "512mb")
+    and wait until it accepts connections."""
+    if not maxmemory.strip() or any(c.isspace() for c in maxmemory):
+        raise EmbeddedRedisError(f"--redis-maxmemory {maxmemory!r} is not a size like 512mb")
     executable = shutil.which("redis-server")
     if executable is None:
         raise EmbeddedRedisError(INSTALL_HINT)
@@ -56,6 +66,7 @@ def start_embedded_redis(timeout_s: float = 10.0) -> EmbeddedRedis:
     config.write_text(
         f"port {port}\nbind 127.0.0.1\nrequirepass {password}\ndir {data_dir}\n"
         'appendonly yes\nsave ""\nprotected-mode yes\nloglevel warning\n'
+        f"maxmemory {maxmemory}\nmaxmemory-policy noeviction\n"
         # Its own log file: its banner and notices would drown the service's output.
         f"logfile {data_dir / 'redis.log'}\n",
         encoding="utf-8",

@@ -1,7 +1,9 @@
-"""Child processes of ``orcapod up``: start them, watch them, stop them in order.
+"""Child processes of ``orcapod up``: start them, restart them, stop them in order.
 
 Each child gets ``PR_SET_PDEATHSIG`` (Linux), so even if the launcher itself
-is killed with SIGKILL, no actor is left running as an orphan.
+is killed with SIGKILL, no actor is left running as an orphan. A child that
+exits on its own is started again under the same name with backoff
+(``RestartPolicy``); one that keeps exiting is a ``CrashLoopError``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _PR_SET_PDEATHSIG = 1
 
@@ -29,37 +32,101 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Child:
-    """One started actor (or the embedded redis-server)."""
+    """One started actor (or the embedded redis-server); ``restart_child``
+    replaces its process, so every list holding it sees the new one."""
 
     name: str
     process: subprocess.Popen[bytes]
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    started_s: float = 0.0  # time.monotonic() at its (last) start
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
 
-def start_child(name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Child:
-    """Start ``argv`` with this process's stdout/stderr, dying with this process."""
-    process = subprocess.Popen(
+def _spawn(argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         argv,
-        env=dict(env) if env is not None else None,
+        env=env,
         preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         # Its own process group: Ctrl-C in the terminal reaches only the launcher,
         # which stops the children in order (a gateway drains while workers run).
         process_group=0,
     )
-    return Child(name=name, process=process)
+
+
+def start_child(name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Child:
+    """Start ``argv`` with this process's stdout/stderr, dying with this process."""
+    child_env = dict(env) if env is not None else None
+    return Child(
+        name=name,
+        process=_spawn(argv, child_env),
+        argv=argv,
+        env=child_env,
+        started_s=time.monotonic(),
+    )
+
+
+def restart_child(child: Child) -> None:
+    """Start ``child``'s command again (it has exited), under the same name."""
+    assert child.process.poll() is not None, f"{child.name} is still running"
+    child.process = _spawn(child.argv, child.env)
+    child.started_s = time.monotonic()
+
+
+class CrashLoopError(RuntimeError):
+    """A child exited again and again: restarting it does not help."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child that exited is started again.
+
+    The delay doubles from ``first_delay_s`` up to ``max_delay_s``, and starts
+    over once the child had run ``reset_after_s``. More than ``max_restarts``
+    restarts of one child within ``window_s`` is a crash loop: the service
+    stops (with the defaults, a child that dies at once stops the service at
+    its 6th exit, about 16 s after the first).
+    """
+
+    first_delay_s: float = 0.5
+    max_delay_s: float = 10.0
+    reset_after_s: float = 60.0
+    max_restarts: int = 5
+    window_s: float = 60.0
+
+
+class RestartBackoff:
+    """One child's restart history under a ``RestartPolicy`` (pure: times are given)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._delay_s = policy.first_delay_s
+        self._restarts_s: deque[float] = deque()
+
+    def next_delay_s(self, now_s: float, ran_s: float) -> float:
+        """The child exited at ``now_s`` after running ``ran_s``: how long to wait
+        before starting it again; raises CrashLoopError past ``max_restarts``."""
+        policy = self.policy
+        if ran_s >= policy.reset_after_s:
+            self._delay_s = policy.first_delay_s
+        while self._restarts_s and now_s - self._restarts_s[0] > policy.window_s:
+            self._restarts_s.popleft()
+        if len(self._restarts_s) >= policy.max_restarts:
+            raise CrashLoopError(
+                f"it was restarted {len(self._restarts_s)} times within {policy.window_s:g} s"
+            )
+        self._restarts_s.append(now_s)
+        delay_s = self._delay_s
+        self._delay_s = min(delay_s * 2, policy.max_delay_s)
+        return delay_s
 
 
 def python_module(module: str, *args: str) -> list[str]:
     """The command line ``python -m module args``: what ``ps`` shows for an actor."""
     return [sys.executable, "-m", module, *args]
-
-
-def first_exited(children: list[Child]) -> Child | None:
-    """A child that has exited, if any."""
-    return next((child for child in children if child.process.poll() is not None), None)
 
 
 def stop_children(children: list[Child], timeout_s: float = 15.0) -> None:

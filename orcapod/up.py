@@ -5,6 +5,10 @@ scheduler, N workers and M gateways, each as its own process whose command
 line names its role (``python -m gpu_worker --worker-id worker-0``); gateway
 i listens on port + i. Prints the URLs once a gateway reports healthy.
 Ctrl-C or SIGTERM stops everything in order and leaves no process behind.
+A scheduler, worker or gateway that exits on its own is started again under
+the same name (``RestartPolicy``: 0.5 s doubling to 10 s, reset after 60 s of
+running); only the embedded redis-server exiting, or a child restarted more
+than 5 times within 60 s, stops the service.
 Without any API key (a tenants file, or keys in an external Redis) the
 gateways serve one open tenant, so they may listen on loopback only.
 """
@@ -30,12 +34,20 @@ from gateway.tenants import (
     is_loopback_host,
     parse_tenants_toml,
 )
-from orcapod.embedded_redis import EmbeddedRedisError, remove_data, start_embedded_redis
+from orcapod.embedded_redis import (
+    DEFAULT_MAXMEMORY,
+    EmbeddedRedisError,
+    remove_data,
+    start_embedded_redis,
+)
 from orcapod.processes import (
     Child,
+    CrashLoopError,
+    RestartBackoff,
+    RestartPolicy,
     environment_with,
-    first_exited,
     python_module,
+    restart_child,
     start_child,
     stop_children,
     stop_together,
@@ -52,6 +64,7 @@ from shared.settings import (
 
 READY_TIMEOUT_S = 300.0
 GATEWAY_STOP_MARGIN_S = 5.0
+RESTART_POLICY = RestartPolicy()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--scheduler-arg", action="append", default=[], help="extra flag passed to the scheduler"
+    )
+    parser.add_argument(
+        "--redis-maxmemory",
+        default=DEFAULT_MAXMEMORY,
+        help="memory cap of the embedded redis-server, e.g. 512mb or 2gb (a full Redis "
+        "refuses writes; it never evicts); ignored with REDIS_URL",
     )
     return parser
 
@@ -131,6 +150,35 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _restart_exited(
+    children: list[Child], backoffs: dict[str, RestartBackoff], restart_at_s: dict[str, float]
+) -> None:
+    """Schedule a restart of each child that exited (one line each) and start
+    those whose delay is over; raises CrashLoopError (naming the child) for a
+    child that keeps exiting."""
+    now_s = time.monotonic()
+    for child in children:
+        due_s = restart_at_s.get(child.name)
+        if due_s is not None:
+            if now_s >= due_s:
+                del restart_at_s[child.name]
+                restart_child(child)
+            continue
+        if child.process.poll() is None:
+            continue
+        try:
+            delay_s = backoffs[child.name].next_delay_s(now_s, now_s - child.started_s)
+        except CrashLoopError as error:
+            raise CrashLoopError(f"{child.name} keeps exiting: {error}") from error
+        restart_at_s[child.name] = now_s + delay_s
+        print(
+            f"orcapod up: {child.name} exited with code {child.process.returncode}; "
+            f"restarting it in {delay_s:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``orcapod up``."""
     args = _parser().parse_args(argv)
@@ -161,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     embedded = None
     if redis_url is None:
         try:
-            embedded = start_embedded_redis()
+            embedded = start_embedded_redis(maxmemory=args.redis_maxmemory)
         except EmbeddedRedisError as error:
             print(f"orcapod up: {error}", file=sys.stderr)
             return 1
@@ -208,19 +256,29 @@ def main(argv: list[str] | None = None) -> int:
     if embedded is not None:
         stop_order.append(embedded.child)
 
+    supervised = [scheduler, *workers, *gateways]
+    backoffs = {child.name: RestartBackoff(RESTART_POLICY) for child in supervised}
+    restart_at_s: dict[str, float] = {}
+
     exit_code = 0
     try:
         health_url = f"http://{args.host}:{args.port}/healthz"
         deadline = time.monotonic() + READY_TIMEOUT_S
         ready = False
         while not stopping.is_set():
-            crashed = first_exited(stop_order)
-            if crashed is not None:
+            if embedded is not None and embedded.child.process.poll() is not None:
+                # Everything lives in it: no actor can go on, so none is restarted.
                 print(
-                    f"orcapod up: {crashed.name} exited with code {crashed.process.returncode}; "
-                    "stopping everything",
+                    "orcapod up: the embedded redis-server exited with code "
+                    f"{embedded.child.process.returncode}; stopping everything",
                     file=sys.stderr,
                 )
+                exit_code = 1
+                break
+            try:
+                _restart_exited(supervised, backoffs, restart_at_s)
+            except CrashLoopError as error:
+                print(f"orcapod up: {error}; stopping everything", file=sys.stderr)
                 exit_code = 1
                 break
             if not ready and _healthy(health_url):
