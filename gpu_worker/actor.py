@@ -270,8 +270,10 @@ class WorkerActor:
                 ]
             )
         )
-        with contextlib.suppress(Exception):  # best effort: the state is suspect already
+        try:
             self.engine.fail_requests(request_ids, STEP_FAILED_MESSAGE)
+        except Exception:  # best effort: the engine's state is suspect already
+            _log.exception("failed_requests_not_dropped", request_ids=request_ids)
         for spec in plan.new_requests:
             self._gateway_ids.setdefault(spec.request_id, spec.gateway_id)
         failed = [RequestFailure(rid, STEP_FAILED_MESSAGE) for rid in request_ids]
