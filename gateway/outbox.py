@@ -20,13 +20,17 @@ OVERFLOW_REASON = "client too slow: its unread frames went over the limit"
 
 
 class Outbox:
-    """Frames for one socket, at most ``max_bytes`` of them unsent."""
+    """Frames for one socket, at most ``max_bytes`` of them unsent. Two tasks
+    serve it: ``write_to`` sends, ``close_on_overflow`` closes the socket once
+    over the cap (the writer may be stuck on a peer that never reads)."""
 
     def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
         self._frames: deque[bytes] = deque()
         self._num_bytes = 0
         self._ready = asyncio.Event()
+        # Set on close or overflow: the end of both tasks.
+        self._ended = asyncio.Event()
         self._closed = False
         self.overflowed = False
 
@@ -42,18 +46,19 @@ class Outbox:
 
     def put(self, frame: bytes) -> bool:
         """Queue ``frame`` (the UTF-8 of one text frame); False (and nothing
-        queued) once over the cap: the socket is then to be closed."""
+        queued) once over the cap: the socket is then being closed."""
         if self._closed or self.overflowed:
             return False
-        size = len(frame)
-        if self._num_bytes + size > self._max_bytes:
+        if self._num_bytes + len(frame) > self._max_bytes:
+            # What is queued goes nowhere: the socket closes, a resume replays it.
             self.overflowed = True
             self._frames.clear()
             self._num_bytes = 0
             self._ready.set()
+            self._ended.set()
             return False
         self._frames.append(frame)
-        self._num_bytes += size
+        self._num_bytes += len(frame)
         self._ready.set()
         return True
 
@@ -61,25 +66,26 @@ class Outbox:
         """No more frames: the writer sends what is queued, then ends."""
         self._closed = True
         self._ready.set()
+        self._ended.set()
 
     async def write_to(self, connection: ServerConnection) -> None:
-        """Send the frames in order until ``close``; on overflow close the socket (1013)."""
-        while True:
+        """Send the frames in order until ``close`` (or an overflow)."""
+        while not self.overflowed:
             await self._ready.wait()
             self._ready.clear()
-            if self.overflowed:
-                await connection.close(CloseCode.TRY_AGAIN_LATER, OVERFLOW_REASON)
-                return
-            while self._frames:
+            while self._frames and not self.overflowed:
                 frame = self._frames.popleft()
                 self._num_bytes -= len(frame)
                 try:
                     await connection.send(frame, text=True)
                 except ConnectionClosed:
                     return
-                if self.overflowed:
-                    break
-            if self.overflowed:
-                continue
             if self._closed and not self._frames:
                 return
+
+    async def close_on_overflow(self, connection: ServerConnection) -> None:
+        """Close the socket with 1013 (try again later) once over the cap; end
+        with the outbox otherwise."""
+        await self._ended.wait()
+        if self.overflowed:
+            await connection.close(CloseCode.TRY_AGAIN_LATER, OVERFLOW_REASON)

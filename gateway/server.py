@@ -278,9 +278,12 @@ class GatewayServer:
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(outbox.write_to(connection))
+                tasks.create_task(outbox.close_on_overflow(connection))
                 try:
                     async for frame in connection:
                         await self._apply(self._on_frame(socket_id, frame))
+                        if outbox.overflowed:
+                            break  # being closed: what it asks now would go nowhere
                 except ConnectionClosed:
                     pass
                 finally:
@@ -331,8 +334,10 @@ class GatewayServer:
         outbox = self._outboxes.get(action.socket_id)
         if outbox is None:  # the socket closed meanwhile
             return
+        if outbox.overflowed:
+            return
         if not outbox.put(encode_json(action.frame).encode()):
-            # Its writer closes the socket (1013); its requests detach as on any close.
+            # The outbox closes the socket (1013); its requests detach as on any close.
             logger.warning("socket outbox over its limit", max_bytes=self.settings.max_outbox_bytes)
 
     def _start_tokenizing(self, action: Tokenize) -> None:
