@@ -25,7 +25,8 @@ import redis
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from shared.keys import RedisKeys
+from shared.keys import MESSAGE_FIELD, RedisKeys
+from shared.messages import RequestLogEntry, decode_log_entry
 from tests.conftest import free_port, start_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +145,7 @@ class Cluster:
                 self._check_alive(deadline, f"gateway {gateway_id} never became healthy")
                 time.sleep(0.1)
         for worker_id in worker_ids:
-            while not self.log_lines("scheduler", "worker_joined", worker_id):
+            while not self.log_events("scheduler", "worker_joined", worker_id=worker_id):
                 self._check_alive(deadline, f"{worker_id} never joined")
                 time.sleep(0.1)
 
@@ -155,10 +156,30 @@ class Cluster:
         if time.monotonic() > deadline:
             raise ClusterError(message)
 
-    def log_lines(self, name: str, *words: str) -> str:
-        """The lines of ``name``'s log (since its first start) holding every one of ``words``."""
+    def log_events(self, name: str, event: str, **fields: Any) -> list[dict[str, Any]]:
+        """The JSON log entries of ``name`` (since its first start) whose ``event`` is
+        ``event`` and whose fields equal ``fields``, parsed.
+
+        Fields are compared as parsed values, never as substrings of a line: an
+        epoch of 2 does not match a timestamp holding a 2.
+        """
+        entries = []
         text = (self.tmp_path / f"{name}.log").read_text(errors="replace")
-        return "\n".join(line for line in text.splitlines() if all(w in line for w in words))
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # the launch line, or a traceback
+            if not isinstance(entry, dict) or entry.get("event") != event:
+                continue
+            if all(key in entry and entry[key] == value for key, value in fields.items()):
+                entries.append(entry)
+        return entries
+
+    def request_log(self, request_id: str) -> list[RequestLogEntry]:
+        """A request's durable log (shared/request_log.py), decoded in order."""
+        raw: Any = self.redis().xrange(KEYS.request_log(request_id))
+        return [decode_log_entry(fields[MESSAGE_FIELD.encode()]) for _, fields in raw]
 
     # --- faults ------------------------------------------------------------------------
 

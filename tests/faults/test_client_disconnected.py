@@ -9,6 +9,7 @@ import time
 
 from websockets.asyncio.client import connect
 
+from shared.messages import RequestEnded, RequestFailed, RequestRecord, TokenBatch
 from tests.faults.cluster import (
     Cluster,
     Stream,
@@ -44,4 +45,17 @@ def test_requests_of_a_dropped_connection_keep_running_until_resumed(cluster: Cl
     streams = asyncio.run(disturbed())
     assert_exactly_once(streams, MAX_TOKENS)
     assert_same_texts(streams, undisturbed)
-    assert not cluster.log_lines("g0", "requests cancelled")
+    # Nothing ended them early: no RequestEnded (cancel) or RequestFailed in their
+    # logs, and each log holds every token.
+    for stream in streams.values():
+        entries = cluster.request_log(stream.request_id)
+        assert isinstance(entries[0], RequestRecord), entries[:1]
+        ends = [entry for entry in entries if isinstance(entry, RequestEnded | RequestFailed)]
+        assert ends == [], (stream.client_id, ends)
+        indexes = [
+            token.index
+            for entry in entries
+            if isinstance(entry, TokenBatch)
+            for token in entry.tokens
+        ]
+        assert sorted(set(indexes)) == list(range(MAX_TOKENS)), (stream.client_id, indexes)

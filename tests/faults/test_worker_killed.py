@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from websockets.asyncio.client import connect
@@ -42,8 +41,8 @@ def test_a_killed_workers_requests_finish_on_another_each_token_once(cluster: Cl
     streams, killed_at_s = asyncio.run(disturbed())
     assert_exactly_once(streams, MAX_TOKENS)
     assert_same_texts(streams, undisturbed)
-    [lost] = cluster.log_lines("scheduler", "worker_lost", '"w0"').splitlines()
-    num_requeued = json.loads(lost)["num_requeued"]
+    [lost] = cluster.log_events("scheduler", "worker_lost", worker_id="w0")
+    num_requeued = lost["num_requeued"]
     assert num_requeued >= 1, lost
     print(
         f"\nworker kill: {len(streams)} requests, {num_requeued} on the killed worker, "
