@@ -4,7 +4,7 @@ Owns the gateway's tasks and the order they start and stop in: the
 websockets server (``/ws``, ``/healthz``; the handshake's decision is
 ``gateway/handshake.py``'s), per socket one reader and one writer
 (``gateway/outbox.py``), the tokens channel (``gateway/token_channel.py``), the
-log follower (``gateway/log_reader.py``), the tokenizer jobs
+log follower (``gateway/log_reader.py``), the tokenizer threads
 (``gateway/tokenizer_pool.py``), the tenant table's reloader, the heartbeat.
 Writes to Redis are ``gateway/upstream.py``'s. Every task is owned by a
 TaskGroup and awaited; shutdown is described in ``docs/architecture.md``.
@@ -57,10 +57,6 @@ logger = structlog.get_logger(__name__)
 
 WS_PATH = "/ws"
 HEALTH_PATH = "/healthz"
-# websockets' own frame limit, as a multiple of ours: 1, so a frame over the
-# limit closes its socket (1009) before it is buffered, and a compressed one
-# is never inflated past it (websockets caps the decompressed size too).
-LIBRARY_MAX_SIZE_FACTOR = 1
 # Frames websockets buffers per socket before it stops reading that socket:
 # with the frame limit, what one socket's unread input can hold.
 INCOMING_QUEUE_FRAMES = 4
@@ -122,8 +118,6 @@ class GatewayServer:
             lambda: self._logs.catch_up(self._readers_stop),
         )
         self._pool = TokenizerPool(tokenizer, limits, settings.tokenizer_threads)
-        # The tokenizer jobs in flight; set while serving.
-        self._jobs: asyncio.TaskGroup | None = None
         self.listening = asyncio.Event()
         self.port: int | None = None
 
@@ -158,12 +152,7 @@ class GatewayServer:
                     # before the SUBSCRIBE is in place could lose its first tokens.
                     await _wait_any(self._channel.subscribed, stop)
                     if not stop.is_set():
-                        async with asyncio.TaskGroup() as jobs:
-                            self._jobs = jobs
-                            try:
-                                await self._serve(stop)
-                            finally:
-                                self._jobs = None
+                        await self._serve(stop)
                 finally:
                     self._readers_stop.set()
         finally:
@@ -178,7 +167,10 @@ class GatewayServer:
             self.settings.port,
             process_request=self._process_request,
             select_subprotocol=_select_subprotocol,
-            max_size=LIBRARY_MAX_SIZE_FACTOR * self.settings.max_frame_bytes,
+            # A frame over the limit closes its socket (1009) before it is
+            # buffered, and a compressed one is never inflated past it
+            # (websockets caps the decompressed size too).
+            max_size=self.settings.max_frame_bytes,
             max_queue=INCOMING_QUEUE_FRAMES,
         ) as server:
             self.port = int(next(iter(server.sockets)).getsockname()[1])
@@ -320,7 +312,9 @@ class GatewayServer:
             if isinstance(action, SendFrame):
                 self._send(action)
             elif isinstance(action, Tokenize):
-                self._start_tokenizing(action)
+                # Awaited by the socket's own reader: its frames are answered in
+                # the order sent, and one socket holds at most one pool slot.
+                await self._tokenize(action)
             elif isinstance(action, PostUpstream):
                 await self._apply(await self._upstream.post(action))
             elif isinstance(action, DeadLetter):
@@ -340,14 +334,8 @@ class GatewayServer:
             # The outbox closes the socket (1013); its requests detach as on any close.
             logger.warning("socket outbox over its limit", max_bytes=self.settings.max_outbox_bytes)
 
-    def _start_tokenizing(self, action: Tokenize) -> None:
-        if self._jobs is None:
-            # Not serving (a frame raced the shutdown): nobody waits for the answer.
-            return
-        self._jobs.create_task(self._tokenize(action), name="gateway-tokenize")
-
     async def _tokenize(self, action: Tokenize) -> None:
-        """One tokenizer job, owned by the jobs TaskGroup; its result goes to the core."""
+        """One tokenizer job on a pool thread; its result goes to the core."""
         try:
             validated = await self._pool.tokenize(action.generate)
         except RequestValidationError as error:

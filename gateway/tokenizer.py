@@ -19,7 +19,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"
@@ -197,7 +197,7 @@ class ChatTokenizer:
 
     def _split_at_special_tokens(self, text: str) -> list[str | int]:
         """``text`` as plain strings and special-token ids, matched the tokenizer's own way."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        encoding = _encode_without_gil(self._tokenizer, text, add_special_tokens=False)
         parts: list[str | int] = []
         position = 0
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
@@ -208,7 +208,9 @@ class ChatTokenizer:
         return [part for part in parts if part != ""]
 
     def _encode_plain(self, text: str) -> list[int]:
-        return self._plain_tokenizer.encode(text, add_special_tokens=False).ids if text else []
+        if not text:
+            return []
+        return _encode_without_gil(self._plain_tokenizer, text, add_special_tokens=False).ids
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; special tokens written in it become their single ids.
@@ -216,7 +218,7 @@ class ChatTokenizer:
         ``add_special_tokens`` adds what the model's post-processor adds (a bos,
         say); a prompt from :meth:`apply_chat_template` already has its own.
         """
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode_without_gil(self._tokenizer, text, add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids``; bytes of an unfinished UTF-8 character come out as U+FFFD."""
@@ -234,6 +236,16 @@ class ChatTokenizer:
             # Only markers the template writes: a vocabulary can hold others unused.
             if token_id is not None and token in self._chat_template_source:
                 yield token_id
+
+
+def _encode_without_gil(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> Encoding:
+    """``tokenizer.encode(text)``, letting other threads run meanwhile.
+
+    The library's ``encode`` holds the GIL for the whole call, so a 100,000
+    character prompt on a pool thread would still stall the event loop;
+    ``encode_batch`` releases it while the Rust code works.
+    """
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
 class IncrementalDetokenizer:

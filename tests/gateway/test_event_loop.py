@@ -15,7 +15,6 @@ import json
 import statistics
 import time
 
-import pytest
 from websockets.asyncio.client import connect
 
 from gateway.server import GatewayServer
@@ -80,11 +79,9 @@ async def heavy_frames(server: GatewayServer, stop: asyncio.Event) -> int:
     return num_answered
 
 
-# The pool runs tokenizing on threads, but `tokenizers`' `Tokenizer.encode` holds
-# the GIL for the whole call (measured: loaded p99 119 ms against 14 ms), so
-# the loop still waits; `encode_batch([text])` releases it (passes with it).
-# gateway/tokenizer.py is to switch to it; this mark then goes.
-@pytest.mark.xfail(reason="ChatTokenizer.encode holds the GIL (use encode_batch)", strict=False)
+# Threads alone are not enough: `tokenizers`' `Tokenizer.encode` holds the GIL
+# for the whole call (loaded p99 119 ms against 14 ms); the tokenizer encodes
+# with `encode_batch`, which releases it.
 def test_heavy_frames_on_other_sockets_do_not_hold_a_stream(
     redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:

@@ -34,7 +34,6 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from gateway.server import LIBRARY_MAX_SIZE_FACTOR
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
 from shared.keys import MESSAGE_FIELD
@@ -55,11 +54,11 @@ from tests.gateway.bad_frames import (
     JSON_VALUES,
     LIVE_ID,
     LIVE_IDS,
-    MAX_FRAME_BYTES,
     MAX_TOKENS_LIMIT,
     SENDABLE_TEXT,
     VOCAB_SIZE,
     BadFrame,
+    oversized,
 )
 from tests.gateway.live_gateway import LiveGateway
 from tests.gateway.test_server import (
@@ -266,13 +265,7 @@ def _invalid_utf8_text(parts: tuple[str, bytes, str]) -> BrokenFrame:
 
 BROKEN_FRAMES = st.one_of(
     st.tuples(SENDABLE_TEXT, st.sampled_from(INVALID_UTF8), SENDABLE_TEXT).map(_invalid_utf8_text),
-    st.builds(
-        lambda extra, text: BrokenFrame(
-            b"x" * (LIBRARY_MAX_SIZE_FACTOR * MAX_FRAME_BYTES + extra), text, MESSAGE_TOO_BIG
-        ),
-        st.integers(1, 1000),
-        st.booleans(),
-    ),
+    oversized().map(lambda frame: BrokenFrame(frame[0], frame[1], MESSAGE_TOO_BIG)),
 )
 
 
