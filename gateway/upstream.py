@@ -13,6 +13,7 @@ import time
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from gateway.actions import Action, DeadLetter, PostUpstream
@@ -68,14 +69,7 @@ class UpstreamWriter:
                 return refusal
         stream = self._keys.requests if is_submit else self._keys.control
         try:
-            # One transaction: a request is submitted only with its log started.
-            pipe = self._redis.pipeline(transaction=True)
-            if isinstance(action.log_entry, RequestRecord):
-                queue_record(pipe, self._keys, action.log_entry)
-            elif action.log_entry is not None:
-                queue_end(pipe, self._keys, action.log_entry, self._log_retention_s)
-            xadd_message(pipe, stream, message)
-            await pipe.execute()
+            await self._post_once_more_on_a_stale_connection(action, stream)
         except (RedisError, OSError) as error:
             logger.error(
                 "could not post upstream",
@@ -95,6 +89,33 @@ class UpstreamWriter:
                     message.request_id, "internal", UNAVAILABLE_MESSAGE
                 )
         return []
+
+    async def _post_once_more_on_a_stale_connection(
+        self, action: PostUpstream, stream: str
+    ) -> None:
+        """One transaction: a request is submitted only with its log started.
+
+        redis-py retries plain commands on a pooled connection the server closed
+        (a Redis restart) but not a MULTI/EXEC, which fails at once; so the idle
+        connections, all as stale as that one, are dropped and the second
+        attempt takes a fresh one. Should the first have gone through after
+        all, the scheduler drops the second submit of the same id.
+        """
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=True)
+            if isinstance(action.log_entry, RequestRecord):
+                queue_record(pipe, self._keys, action.log_entry)
+            elif action.log_entry is not None:
+                queue_end(pipe, self._keys, action.log_entry, self._log_retention_s)
+            xadd_message(pipe, stream, action.message)
+            try:
+                await pipe.execute()
+                return
+            except RedisConnectionError:
+                if attempt == 1:
+                    raise
+                logger.info("posting again on a fresh connection", stream=stream)
+                await self._redis.connection_pool.disconnect(inuse_connections=False)
 
     async def dead_letter(self, action: DeadLetter) -> None:
         """Keep a message nobody could handle in the dead stream (logged when Redis refuses)."""

@@ -338,7 +338,8 @@ class SchedulerActor:
         reason = ""
         is_recovered = generated_ids is not None
         if not is_recovered and self.core.num_waiting >= self.settings.max_waiting:
-            code, reason = "queue_full", f"more than {self.settings.max_waiting} requests wait"
+            # Not how many: other tenants' queues are none of this client's business.
+            code, reason = "queue_full", "the service is at capacity; retry later"
         else:
             try:
                 self.core.submit(
@@ -353,22 +354,20 @@ class SchedulerActor:
                 )
             except RequestTooLargeError as error:
                 code, reason = "prompt_too_long", str(error)
-            except (InvalidRequestError, DuplicateRequestError) as error:
+            except DuplicateRequestError:
+                # The same submit again (a gateway re-sent a transaction whose reply
+                # it lost): the live request goes on, this copy is dropped.
+                _log.info("duplicate_submit_dropped", request_id=message.request_id)
+                self._ack(pipe, self.keys.requests, entry_id)
+                return
+            except InvalidRequestError as error:
                 code, reason = "invalid_request", str(error)
             except QueueFullError as error:
                 code, reason = "queue_full", str(error)
         if code is not None:
             self._counters.num_rejected += 1
             _log.info("request_rejected", request_id=message.request_id, code=code, reason=reason)
-            # A duplicate's id belongs to a live request: its log is not this submit's to end.
-            self._reject(
-                message.request_id,
-                message.gateway_id,
-                code,
-                reason,
-                pipe,
-                end_log=message.request_id not in self.core.requests,
-            )
+            self._reject(message.request_id, message.gateway_id, code, reason, pipe)
             self._ack(pipe, self.keys.requests, entry_id)
         else:
             self._submit_entry_ids[message.request_id] = entry_id
