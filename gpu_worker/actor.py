@@ -32,7 +32,6 @@ transaction; the engine thread goes on with the next plan.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import time
 from collections import defaultdict
@@ -45,6 +44,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, PlanError
+from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set
 from shared.keys import WORKER_GROUP, RedisKeys
 from shared.messages import (
     RequestFailed,
@@ -79,8 +79,6 @@ SUMMARY_EVERY_STEPS = 200
 # Upper edges (µs) of the histogram of gaps between consecutive forward passes
 # that the stats hash keeps, so a benchmark can read the gap's median.
 STEP_GAP_EDGES_US = (100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000, 10_000, 100_000)
-# The heartbeat key outlives a few missed refreshes before the worker counts as gone.
-HEARTBEAT_TTL_FACTOR = 3
 
 _log = structlog.get_logger(__name__)
 
@@ -120,7 +118,7 @@ class WorkerActor:
     @property
     def heartbeat_ttl_ms(self) -> int:
         """Lifetime of the heartbeat key after each refresh."""
-        return max(1000, int(HEARTBEAT_TTL_FACTOR * self.settings.heartbeat_s * 1000))
+        return heartbeat_ttl_ms(self.settings.heartbeat_s)
 
     def joined_message(self) -> WorkerJoined:
         """The registration this worker sends."""
@@ -177,8 +175,7 @@ class WorkerActor:
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat_s)
+            await sleep_unless_set(stop, self.settings.heartbeat_s)
             if stop.is_set():
                 return
             try:

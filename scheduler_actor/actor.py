@@ -52,6 +52,7 @@ from scheduler_actor.errors import (
 )
 from scheduler_actor.liveness import Liveness
 from scheduler_actor.request import FinishedRequest
+from shared.heartbeat import sleep_unless_set
 from shared.keys import SCHEDULER_GROUP, RedisKeys
 from shared.messages import (
     CancelRequest,
@@ -199,8 +200,7 @@ class SchedulerActor:
                     _log.warning("redis_restarted", epoch=self._epoch)
                 except (RedisError, OSError) as error:
                     _log.warning("redis_unreachable", error=str(error), failures=failures)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), reconnect_backoff_s(failures))
+                    await sleep_unless_set(stop, reconnect_backoff_s(failures))
                     failures += 1
         finally:
             with contextlib.suppress(RedisError, OSError):
