@@ -84,6 +84,24 @@ def start_redis_server(
             time.sleep(0.05)
 
 
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live descendant of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        state, parent = stat.rsplit(")", 1)[1].split()[:2]
+        if int(parent) == pid and state != "Z":
+            found.append((int(entry.name), cmdline))
+            found += descendants(int(entry.name))
+    return found
+
+
 def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL if it is still there after ``timeout_s``."""
     if process.poll() is None:

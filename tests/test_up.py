@@ -16,28 +16,9 @@ import pytest
 from websockets.asyncio.client import connect
 
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
-from tests.conftest import free_port
+from tests.conftest import descendants, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _children_of(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live descendant of ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        state = stat.rsplit(")", 1)[1].split()[0]
-        if parent == pid and state != "Z":
-            found.append((int(entry.name), cmdline))
-            found += _children_of(int(entry.name))
-    return found
 
 
 @pytest.fixture
@@ -114,7 +95,7 @@ async def _generate(url: str, question: str, max_tokens: int = 12) -> tuple[str,
 def test_up_serves_on_every_gateway_and_stops_cleanly(service):
     process, port, _ = service
     # Each actor is its own process, named by its command line.
-    commands = [cmd for _, cmd in _children_of(process.pid)]
+    commands = [cmd for _, cmd in descendants(process.pid)]
     for role in ("redis-server", "-m scheduler_actor", "-m gpu_worker", "-m gateway"):
         assert any(role in cmd for cmd in commands), (role, commands)
     assert sum("-m gateway" in cmd for cmd in commands) == 2
@@ -129,7 +110,7 @@ def test_up_serves_on_every_gateway_and_stops_cleanly(service):
         assert done.finish_reason in ("stop", "length")
         assert done.usage.completion_tokens >= 1
 
-    pids = [pid for pid, _ in _children_of(process.pid)]
+    pids = [pid for pid, _ in descendants(process.pid)]
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
     time.sleep(0.2)

@@ -26,8 +26,8 @@ from orcapod.embedded_redis import (
     start_embedded_redis,
 )
 from orcapod.processes import CrashLoopError, RestartBackoff, RestartPolicy, stop_children
-from tests.conftest import free_port
-from tests.test_up import REPO, _children_of, _generate
+from tests.conftest import descendants, free_port
+from tests.test_up import REPO, _generate
 
 
 def test_the_delay_doubles_to_its_cap_and_starts_over_after_a_long_run():
@@ -80,7 +80,7 @@ def test_a_maxmemory_that_could_inject_config_is_refused():
 
 
 def _worker_pids(launcher_pid: int) -> list[int]:
-    return [pid for pid, cmd in _children_of(launcher_pid) if "--worker-id worker-0" in cmd]
+    return [pid for pid, cmd in descendants(launcher_pid) if "--worker-id worker-0" in cmd]
 
 
 def _healthz(port: int) -> int:

@@ -28,7 +28,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.tenants import hash_key
-from tests.conftest import free_port, start_redis_server, stop_process
+from tests.conftest import descendants, free_port, start_redis_server, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "adv"
@@ -47,24 +47,6 @@ def tenants_toml(names: Sequence[str]) -> str:
         f'[tenants.{name}]\n{quotas.get(name, "")}key_sha256 = ["{hash_key(KEYS[name])}"]\n'
         for name in names
     )
-
-
-def descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live descendant of ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
-            continue
-        state, parent = stat.rsplit(")", 1)[1].split()[:2]
-        if int(parent) == pid and state != "Z":
-            found.append((int(entry.name), cmdline))
-            found += descendants(int(entry.name))
-    return found
 
 
 def rss_bytes(pid: int) -> int:

@@ -24,7 +24,7 @@ def _gaps_s(client: Client, client_id: str) -> list[float]:
 
 
 def _p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
 async def _stream(service: Service, name: str) -> list[float]:

@@ -36,7 +36,7 @@ FLOOR_S = 0.03
 
 
 def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98]
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
 async def stream_gaps_s(
@@ -109,5 +109,9 @@ def test_heavy_frames_on_other_sockets_do_not_hold_a_stream(
             return statistics.median(baselines), statistics.median(loaded), num_heavy
 
     baseline_s, loaded_s, num_heavy = asyncio.run(main())
+    print(
+        f"{num_heavy} heaviest frames: stream ITL p99 {baseline_s * 1000:.1f} ms alone, "
+        f"{loaded_s * 1000:.1f} ms under attack"
+    )
     assert num_heavy >= 10, num_heavy  # the attack really ran meanwhile
     assert loaded_s <= max(2 * baseline_s, FLOOR_S), (loaded_s, baseline_s)
