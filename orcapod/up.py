@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         "--scheduler-arg", action="append", default=[], help="extra flag passed to the scheduler"
     )
     parser.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to every gateway, e.g. --gateway-arg=--allowed-origin=https://chat.example",
+    )
+    parser.add_argument(
         "--redis-maxmemory",
         default=DEFAULT_MAXMEMORY,
         help="memory cap of the embedded redis-server, e.g. 512mb or 2gb (a full Redis "
@@ -246,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--model",
                 model_dir,
                 *tenants_args,
+                *args.gateway_arg,
             ),
             env,
         )

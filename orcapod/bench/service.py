@@ -80,6 +80,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
+# The gateway's caps per tenant (flags --max-requests-per-tenant, --default-max-queued).
+LOAD_GENERATOR_TENANT_CAPS = {
+    "ORCAPOD_MAX_REQUESTS_PER_TENANT": "100000",
+    "ORCAPOD_DEFAULT_MAX_QUEUED": "100000",
+}
+
+
 @contextmanager
 def orcapod_up(
     redis_url: str,
@@ -89,14 +96,19 @@ def orcapod_up(
     environment: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """``orcapod up --policy POLICY`` on a free loopback port (``environment``:
-    more variables for every actor); yields the websocket URL."""
+    more variables for every actor); yields the websocket URL.
+
+    A load generator is one tenant standing for many users, so the per-tenant
+    caps that keep real tenants apart are lifted (``environment`` may set them).
+    """
+    environment = {**LOAD_GENERATOR_TENANT_CAPS, **(environment or {})}
     port = free_loopback_port()
     argv = [sys.executable, "-m", "orcapod", "up", "--port", str(port), "--policy", policy]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [*argv, *up_args],
-            env=environment_with(REDIS_URL=redis_url, **(environment or {})),
+            env=environment_with(REDIS_URL=redis_url, **environment),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
