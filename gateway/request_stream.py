@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gateway.stop_strings import StopStringMatcher
-from gateway.tokenizer import IncrementalDetokenizer
-from shared.messages import FinishReason, SampledToken
+from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from shared.messages import FinishReason, SampledToken, SubmitRequest
 from shared.protocol import Timings, Usage
 
 
@@ -86,6 +86,28 @@ class RequestStream:
         self.tokens: list[EmittedToken] = []
         self.completion: Completion | None = None
         self.finished_at_s: float | None = None
+
+    @classmethod
+    def of_submit(
+        cls,
+        submit: SubmitRequest,
+        client_id: str,
+        stop: Sequence[str],
+        tokenizer: ChatTokenizer,
+        accepted_at_s: float,
+    ) -> RequestStream:
+        """The stream of a request as submitted (here, or by the gateway whose
+        log this one took over)."""
+        return cls(
+            request_id=submit.request_id,
+            tenant=submit.tenant,
+            client_id=client_id,
+            num_prompt_tokens=len(submit.prompt_ids),
+            max_tokens=submit.sampling.max_tokens,
+            detokenizer=IncrementalDetokenizer(tokenizer, submit.prompt_ids),
+            stop=stop,
+            accepted_at_s=accepted_at_s,
+        )
 
     @property
     def finished(self) -> bool:

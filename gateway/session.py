@@ -25,7 +25,6 @@ from gateway.actions import (
     LoadLog,
     PostUpstream,
     SendFrame,
-    ServerFrame,
     Tokenize,
 )
 from gateway.admission import (
@@ -34,10 +33,11 @@ from gateway.admission import (
     AdmissionLimits,
     AdmissionRefused,
 )
-from gateway.request_stream import Completion, EmittedToken, RequestStream, StreamEvent
+from gateway.frames import error_frames, stream_frames
+from gateway.request_stream import RequestStream
 from gateway.request_table import PendingRequest, RequestTable, Route
 from gateway.tenants import OPEN_TENANT_NAME, Tenant
-from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from gateway.tokenizer import ChatTokenizer
 from gateway.validation import (
     ModelLimits,
     RequestValidationError,
@@ -60,12 +60,10 @@ from shared.protocol import (
     Accepted,
     Cancel,
     Done,
-    Error,
     ErrorCode,
     Generate,
     Resume,
     Timings,
-    Token,
     Usage,
     decode_client_message,
 )
@@ -221,16 +219,16 @@ class GatewaySession:
         actions: list[Action] = [_cancel_upstream(stream)]
         if route is not None:
             message = f"the request made no progress for {self.config.stall_timeout_s:g} s"
-            actions += _error(route.socket_id, "internal", message, route.client_id)
+            actions += error_frames(route.socket_id, "internal", message, route.client_id)
         return actions
 
     def on_frame(self, socket_id: int, frame: str | bytes) -> list[Action]:
         """A frame from the client on ``socket_id``."""
         self.table.expire()
         if isinstance(frame, bytes):
-            return _error(socket_id, "invalid_request", "binary frames are not supported")
+            return error_frames(socket_id, "invalid_request", "binary frames are not supported")
         if _is_over_bytes(frame, self.config.max_frame_bytes):
-            return _error(
+            return error_frames(
                 socket_id,
                 "invalid_request",
                 f"frame over the limit of {self.config.max_frame_bytes} bytes",
@@ -238,7 +236,7 @@ class GatewaySession:
         try:
             message = decode_client_message(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            return _error(socket_id, "invalid_request", str(error), _probe_client_id(frame))
+            return error_frames(socket_id, "invalid_request", str(error), _probe_client_id(frame))
         if isinstance(message, Generate):
             return self._generate(socket_id, message)
         if isinstance(message, Cancel):
@@ -254,7 +252,7 @@ class GatewaySession:
             check_generate(generate, self._limits)
             self._admission.check_capacity(self.table, socket_id)
         except (AdmissionRefused, RequestValidationError) as refused:
-            return _error(socket_id, refused.code, refused.message, generate.id)
+            return error_frames(socket_id, refused.code, refused.message, generate.id)
         request_id = self._new_request_id()
         tenant = self.table.socket(socket_id).tenant
         self.table.reserve(PendingRequest(request_id, tenant, Route(socket_id, generate.id)))
@@ -276,19 +274,7 @@ class GatewaySession:
                 tenant, num_prompt_tokens + generate.max_tokens
             )
         except AdmissionRefused as refused:
-            return _error(socket_id, refused.code, refused.message, client_id)
-        now_s = self._clock()
-        stream = RequestStream(
-            request_id=request_id,
-            tenant=tenant.name,
-            client_id=client_id,
-            num_prompt_tokens=num_prompt_tokens,
-            max_tokens=validated.sampling.max_tokens,
-            detokenizer=IncrementalDetokenizer(self._tokenizer, validated.prompt_ids),
-            stop=generate.stop,
-            accepted_at_s=now_s,
-        )
-        self.table.add(stream, pending.route)
+            return error_frames(socket_id, refused.code, refused.message, client_id)
         submit = SubmitRequest(
             request_id=request_id,
             gateway_id=self.config.gateway_id,
@@ -297,6 +283,10 @@ class GatewaySession:
             sampling=validated.sampling,
             limits=self._admission.scheduler_limits(tenant),
         )
+        stream = RequestStream.of_submit(
+            submit, client_id, generate.stop, self._tokenizer, self._clock()
+        )
+        self.table.add(stream, pending.route)
         # `accepted` first: a later `error` for the id (submit failed, scheduler
         # refused) then reads as the end of an accepted request, like `done`.
         record = RequestRecord(submit=submit, client_id=client_id, stop=list(generate.stop))
@@ -311,7 +301,7 @@ class GatewaySession:
         pending = self.table.take_pending(request_id)
         if pending is None:
             return []
-        return _error(pending.route.socket_id, code, message, pending.route.client_id)
+        return error_frames(pending.route.socket_id, code, message, pending.route.client_id)
 
     def on_submit_refused(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:
         """The shell did not post the SubmitRequest (the tenant's tokens per
@@ -324,14 +314,14 @@ class GatewaySession:
         self.table.forget(stream)
         if route is None:
             return []
-        return _error(route.socket_id, code, message, route.client_id)
+        return error_frames(route.socket_id, code, message, route.client_id)
 
     # --- cancel and resume -----------------------------------------------------------
 
     def _cancel(self, socket_id: int, cancel: Cancel) -> list[Action]:
         request_id = self.table.request_on(socket_id, cancel.id)
         if request_id is None:
-            return _error(
+            return error_frames(
                 socket_id,
                 "invalid_request",
                 f"no request with id {cancel.id!r} is in flight on this socket",
@@ -346,7 +336,7 @@ class GatewaySession:
         assert stream is not None, "a request on a socket is pending or known"
         completion = stream.cancel(self._clock())
         self.table.finish(stream)
-        return [_cancel_upstream(stream), *_frames(socket_id, cancel.id, [completion])]
+        return [_cancel_upstream(stream), *stream_frames(socket_id, cancel.id, [completion])]
 
     def _resume(self, socket_id: int, resume: Resume) -> list[Action]:
         stream = self.table.stream(resume.request_id)
@@ -361,13 +351,13 @@ class GatewaySession:
             refusal = self._attach(socket_id, stream, client_id)
             if refusal is not None:
                 return refusal
-        return _frames(socket_id, client_id, stream.replay(resume.after_seq))
+        return stream_frames(socket_id, client_id, stream.replay(resume.after_seq))
 
     def _attach(self, socket_id: int, stream: RequestStream, client_id: str) -> list[Action] | None:
         """Move a live request's frames to ``socket_id`` under ``client_id``; None when done."""
         holder = self.table.request_on(socket_id, client_id)
         if holder is not None and holder != stream.request_id:
-            return _error(
+            return error_frames(
                 socket_id,
                 "invalid_request",
                 f"a request with id {client_id!r} is already in flight on this socket",
@@ -379,13 +369,13 @@ class GatewaySession:
                 # The tenant already holds it: only the socket's cap applies.
                 self._admission.check_socket_room(self.table, socket_id)
             except AdmissionRefused as refused:
-                return _error(socket_id, refused.code, refused.message, client_id)
+                return error_frames(socket_id, refused.code, refused.message, client_id)
         self.table.attach(stream, Route(socket_id, client_id))
         logger.info("request resumed", request_id=stream.request_id)
         return None
 
     def _unknown_request(self, socket_id: int, resume: Resume) -> list[Action]:
-        return _error(
+        return error_frames(
             socket_id,
             "invalid_request",
             f"unknown request_id {resume.request_id!r} (never accepted, or finished too long ago)",
@@ -429,7 +419,7 @@ class GatewaySession:
             update = stream.add(token, now_s)
             route = self.table.route(stream.request_id)
             if route is not None:
-                actions += _frames(route.socket_id, route.client_id, update.events)
+                actions += stream_frames(route.socket_id, route.client_id, update.events)
             if update.cancel_upstream:
                 actions.append(_cancel_upstream(stream))
             if stream.finished:
@@ -467,29 +457,24 @@ class GatewaySession:
         if log is None or log.record.submit.tenant != tenant.name:
             return self._unknown_request(socket_id, resume)
         if log.failure is not None:
-            known = log.failure.code if log.failure.code in ERROR_CODES else "internal"
+            # Ended with an error: the tokens it got after `after_seq`, then the error.
             client_id = resume.id if resume.id is not None else log.record.client_id
-            return _error(socket_id, cast(ErrorCode, known), log.failure.message, client_id)
+            replayed = self._stream_of_log(log, self._clock()).replay(resume.after_seq)
+            known = cast(
+                ErrorCode, log.failure.code if log.failure.code in ERROR_CODES else "internal"
+            )
+            return [
+                *stream_frames(socket_id, client_id, replayed),
+                *error_frames(socket_id, known, log.failure.message, client_id),
+            ]
         if log.ended_after is None:
             try:
                 self._admission.check_socket_room(self.table, socket_id)
                 self._admission.check_tenant_room(self.table, tenant)
             except AdmissionRefused as refused:
-                return _error(socket_id, refused.code, refused.message, resume.id)
-        submit = log.record.submit
+                return error_frames(socket_id, refused.code, refused.message, resume.id)
         now_s = self._clock()
-        stream = RequestStream(
-            request_id=submit.request_id,
-            tenant=submit.tenant,
-            client_id=log.record.client_id,
-            num_prompt_tokens=len(submit.prompt_ids),
-            max_tokens=submit.sampling.max_tokens,
-            detokenizer=IncrementalDetokenizer(self._tokenizer, submit.prompt_ids),
-            stop=log.record.stop,
-            accepted_at_s=now_s,
-        )
-        for token in log.sampled_tokens():
-            stream.add(token, now_s)
+        stream = self._stream_of_log(log, now_s)
         if log.ended_after is not None and not stream.finished:
             stream.cancel(now_s)
         self.table.add(stream, None)
@@ -500,6 +485,16 @@ class GatewaySession:
             adopted = RequestAdopted(stream.request_id, self.config.gateway_id)
             actions += [FollowLog(stream.request_id, log.last_entry_id), PostUpstream(adopted)]
         return actions
+
+    def _stream_of_log(self, log: RequestLog, now_s: float) -> RequestStream:
+        """The request's stream rebuilt from its log: its record, then its tokens."""
+        record = log.record
+        stream = RequestStream.of_submit(
+            record.submit, record.client_id, record.stop, self._tokenizer, now_s
+        )
+        for token in log.sampled_tokens():
+            stream.add(token, now_s)
+        return stream
 
     def on_log_entries(
         self,
@@ -523,7 +518,7 @@ class GatewaySession:
                 route = self.table.route(request_id)
                 completion = stream.cancel(self._clock())
                 if route is not None:
-                    actions += _frames(route.socket_id, route.client_id, [completion])
+                    actions += stream_frames(route.socket_id, route.client_id, [completion])
                 self.table.finish(stream)
             elif isinstance(entry, RequestFailed):
                 # The service ended it with an error (its gateway got a RequestRejected).
@@ -532,34 +527,6 @@ class GatewaySession:
             if stream.finished:
                 break
         return actions
-
-
-def _frames(socket_id: int, client_id: str, events: list[StreamEvent]) -> list[Action]:
-    actions: list[Action] = []
-    for event in events:
-        if isinstance(event, EmittedToken):
-            frame: ServerFrame = Token(
-                id=client_id, seq=event.seq, text=event.text, token_id=event.token_id
-            )
-        else:
-            frame = _done(client_id, event)
-        actions.append(SendFrame(socket_id, frame))
-    return actions
-
-
-def _error(
-    socket_id: int, code: ErrorCode, message: str, client_id: str | None = None
-) -> list[Action]:
-    return [SendFrame(socket_id, Error(code=code, message=message, id=client_id))]
-
-
-def _done(client_id: str, completion: Completion) -> Done:
-    return Done(
-        id=client_id,
-        finish_reason=completion.finish_reason,
-        usage=completion.usage,
-        timings=completion.timings,
-    )
 
 
 def _is_over_bytes(frame: str, limit: int) -> bool:

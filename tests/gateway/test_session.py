@@ -11,13 +11,17 @@ from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
 from shared.messages import (
     CancelRequest,
+    RequestFailed,
+    RequestRecord,
     RequestRejected,
     SampledToken,
+    SamplingParams,
     SubmitRequest,
     TokenBatch,
     encode,
 )
 from shared.protocol import Accepted, Done, Error, Token
+from shared.request_log import RequestLog
 from tests.gateway.session_driver import InlineTokenizingSession
 from tests.gateway.worker_tokens import worker_tokens
 
@@ -326,3 +330,27 @@ def test_a_closed_sockets_requests_wait_for_a_resume_then_end(
     assert upstream(session.on_tick()) == [CancelRequest(request_id=dropped, gateway_id="gw")]
     assert session.stream(dropped) is None and session.stream(kept) is not None
     assert session.on_tick() == []
+
+
+def test_a_resume_of_a_request_that_failed_elsewhere_replays_its_tokens_then_the_error(
+    session: GatewaySession, chat_tokenizer: ChatTokenizer
+) -> None:
+    submit = SubmitRequest(
+        request_id="elsewhere",
+        gateway_id="dead-gateway",
+        tenant="default",
+        prompt_ids=chat_tokenizer.encode("Hello", add_special_tokens=True),
+        sampling=SamplingParams(max_tokens=8),
+    )
+    log = RequestLog(record=RequestRecord(submit=submit, client_id="q"))
+    for token in worker_tokens(chat_tokenizer, "elsewhere", " one two three four")[:2]:
+        log.fold(b"1-0", TokenBatch(worker_id="w", tokens=[token]))
+    log.fold(b"2-0", RequestFailed(request_id="elsewhere", code="internal", message="failed"))
+    socket_id = session.connect()
+    [load] = session.on_frame(socket_id, '{"type":"resume","request_id":"elsewhere","after_seq":0}')
+    assert isinstance(load, LoadLog)
+    replies = frames(session.on_log_loaded(socket_id, load.resume, log))
+    assert [type(frame) for frame in replies] == [Token, Error]
+    token, error = replies
+    assert isinstance(token, Token) and (token.id, token.seq) == ("q", 1)
+    assert error == Error(code="internal", message="failed", id="q")
