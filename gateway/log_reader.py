@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from gateway.actions import Action, FollowLog, LoadLog, SendFrame
 from gateway.session import GatewaySession
+from shared.heartbeat import sleep_unless_set
 from shared.keys import RedisKeys
 from shared.protocol import Error
 from shared.redis_streams import reconnect_backoff_s
@@ -87,8 +88,7 @@ class LogReader:
                 reply = await self._read_followed()
             except (RedisError, OSError) as error:
                 logger.warning("request logs unreachable", error=str(error))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), reconnect_backoff_s(failures))
+                await sleep_unless_set(stop, reconnect_backoff_s(failures))
                 failures += 1
                 continue
             failures = 0
@@ -111,8 +111,7 @@ class LogReader:
                 log = await read_request_log(self._redis, self._keys, request_id)
             except (RedisError, OSError) as error:
                 logger.warning("could not read a request log", error=str(error))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), reconnect_backoff_s(failures))
+                await sleep_unless_set(stop, reconnect_backoff_s(failures))
                 failures += 1
                 continue
             pending.pop()

@@ -13,14 +13,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast, get_args
 
 import msgspec
 import structlog
 
 from gateway.actions import (
     Action,
-    DeadLetter,
     FollowLog,
     LoadLog,
     PostUpstream,
@@ -36,6 +34,7 @@ from gateway.admission import (
 from gateway.frames import error_frames, stream_frames
 from gateway.request_stream import RequestStream
 from gateway.request_table import PendingRequest, RequestTable, Route
+from gateway.service_feed import LOG_SOURCE, ServiceFeed, cancel_upstream, known_code
 from gateway.tenants import OPEN_TENANT_NAME, Tenant
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import (
@@ -47,14 +46,9 @@ from gateway.validation import (
 from shared.messages import (
     CancelRequest,
     RequestAdopted,
-    RequestEnded,
-    RequestFailed,
+    RequestLogEntry,
     RequestRecord,
-    RequestRejected,
     SubmitRequest,
-    TokenBatch,
-    decode_gateway_message,
-    encode,
 )
 from shared.protocol import (
     Accepted,
@@ -72,8 +66,6 @@ from shared.request_log import RequestLog
 __all__ = ["SHUTTING_DOWN_MESSAGE", "GatewaySession", "SessionConfig"]
 
 logger = structlog.get_logger(__name__)
-
-ERROR_CODES: frozenset[str] = frozenset(get_args(ErrorCode))
 
 
 @dataclass(frozen=True)
@@ -121,6 +113,7 @@ class GatewaySession:
         self._clock = clock
         self._new_request_id = new_request_id
         self.table = RequestTable(config.retention_s, clock)
+        self.feed = ServiceFeed(self.table, limits.vocab_size, clock)
         self._admission = Admission(
             AdmissionLimits(
                 max_requests_per_socket=config.max_requests_per_socket,
@@ -185,7 +178,7 @@ class GatewaySession:
         for stream in streams:
             stream.cancel(now_s)
             self.table.finish(stream)
-            actions.append(_cancel_upstream(stream))
+            actions.append(cancel_upstream(stream))
         return actions
 
     def on_tick(self) -> list[Action]:
@@ -216,7 +209,7 @@ class GatewaySession:
         route = self.table.route(stream.request_id)
         stream.cancel(now_s)
         self.table.finish(stream)
-        actions: list[Action] = [_cancel_upstream(stream)]
+        actions: list[Action] = [cancel_upstream(stream)]
         if route is not None:
             message = f"the request made no progress for {self.config.stall_timeout_s:g} s"
             actions += error_frames(route.socket_id, "internal", message, route.client_id)
@@ -307,14 +300,21 @@ class GatewaySession:
         """The shell did not post the SubmitRequest (the tenant's tokens per
         minute are spent, Redis refused it): the accepted request ends in an
         ``error`` at once."""
-        stream = self.table.stream(request_id)
-        if stream is None or stream.finished:
-            return []
-        route = self.table.route(request_id)
-        self.table.forget(stream)
-        if route is None:
-            return []
-        return error_frames(route.socket_id, code, message, route.client_id)
+        return self.feed.end_with_error(request_id, code, message)
+
+    def on_gateway_message(self, data: bytes, source: str) -> list[Action]:
+        """A message from the gateway's tokens channel ``source``."""
+        self.table.expire()
+        return self.feed.on_gateway_message(data, source)
+
+    def on_log_entries(
+        self, request_id: str, entries: Sequence[RequestLogEntry], source: str = LOG_SOURCE
+    ) -> list[Action]:
+        """New entries of the log ``source`` of a request (followed, or read again
+        to fill what pub/sub lost while Redis was unreachable); tokens already
+        here are skipped."""
+        self.table.expire()
+        return self.feed.on_log_entries(request_id, entries, source)
 
     # --- cancel and resume -----------------------------------------------------------
 
@@ -336,7 +336,7 @@ class GatewaySession:
         assert stream is not None, "a request on a socket is pending or known"
         completion = stream.cancel(self._clock())
         self.table.finish(stream)
-        return [_cancel_upstream(stream), *stream_frames(socket_id, cancel.id, [completion])]
+        return [cancel_upstream(stream), *stream_frames(socket_id, cancel.id, [completion])]
 
     def _resume(self, socket_id: int, resume: Resume) -> list[Action]:
         stream = self.table.stream(resume.request_id)
@@ -382,66 +382,6 @@ class GatewaySession:
             resume.id,
         )
 
-    # --- the gateway's pub/sub channel -------------------------------------------------
-
-    def on_gateway_message(self, data: bytes, source: str) -> list[Action]:
-        """A message from the gateway's tokens channel ``source``."""
-        self.table.expire()
-        try:
-            message = decode_gateway_message(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            logger.warning("undecodable gateway message", source=source, error=str(error))
-            return [DeadLetter(source=source, error=str(error), data=data)]
-        if isinstance(message, RequestRejected):
-            return self._rejected(message)
-        return self._token_batch(message, source, data)
-
-    def _token_batch(self, batch: TokenBatch, source: str, data: bytes | None) -> list[Action]:
-        """The one rule for a batch, from pub/sub or a log: a token id outside the
-        vocabulary makes the whole batch a dead letter (checked before any of it
-        is applied: a batch is taken whole or not at all)."""
-        bad = [t for t in batch.tokens if not 0 <= t.token_id < self._limits.vocab_size]
-        if bad:
-            reason = f"token id {bad[0].token_id} is outside the vocabulary"
-            logger.warning("malformed token batch", source=source, error=reason)
-            return [DeadLetter(source=source, error=reason, data=data or encode(batch))]
-        return self._tokens(batch)
-
-    def _tokens(self, batch: TokenBatch) -> list[Action]:
-        now_s = self._clock()
-        actions: list[Action] = []
-        for token in batch.tokens:
-            stream = self.table.stream(token.request_id)
-            # Tokens of a request that ended here (cancel, stop string) still come
-            # until the scheduler has taken the cancel; they are dropped.
-            if stream is None or stream.finished:
-                continue
-            update = stream.add(token, now_s)
-            route = self.table.route(stream.request_id)
-            if route is not None:
-                actions += stream_frames(route.socket_id, route.client_id, update.events)
-            if update.cancel_upstream:
-                actions.append(_cancel_upstream(stream))
-            if stream.finished:
-                self.table.finish(stream)
-        return actions
-
-    def _rejected(self, rejected: RequestRejected) -> list[Action]:
-        stream = self.table.stream(rejected.request_id)
-        if stream is None or stream.finished:
-            return []
-        logger.info(
-            "request rejected by the scheduler",
-            request_id=rejected.request_id,
-            code=rejected.code,
-        )
-        return self._failed(rejected.request_id, rejected.code, rejected.message)
-
-    def _failed(self, request_id: str, code: str, message: str) -> list[Action]:
-        """The service ended a request with an error: the client gets it, with a known code."""
-        known = cast(ErrorCode, code if code in ERROR_CODES else "internal")
-        return self.on_submit_refused(request_id, known, message)
-
     # --- request logs: a request taken over from another gateway ----------------------
 
     def on_log_loaded(self, socket_id: int, resume: Resume, log: RequestLog | None) -> list[Action]:
@@ -460,9 +400,7 @@ class GatewaySession:
             # Ended with an error: the tokens it got after `after_seq`, then the error.
             client_id = resume.id if resume.id is not None else log.record.client_id
             replayed = self._stream_of_log(log, self._clock()).replay(resume.after_seq)
-            known = cast(
-                ErrorCode, log.failure.code if log.failure.code in ERROR_CODES else "internal"
-            )
+            known = known_code(log.failure.code)
             return [
                 *stream_frames(socket_id, client_id, replayed),
                 *error_frames(socket_id, known, log.failure.message, client_id),
@@ -496,38 +434,6 @@ class GatewaySession:
             stream.add(token, now_s)
         return stream
 
-    def on_log_entries(
-        self,
-        request_id: str,
-        entries: Sequence[RequestRecord | TokenBatch | RequestEnded | RequestFailed],
-        source: str = "request log",
-    ) -> list[Action]:
-        """New entries of a request's log ``source`` (followed, or read again to
-        fill what pub/sub lost while Redis was unreachable); tokens already here
-        are skipped."""
-        self.table.expire()
-        stream = self.table.stream(request_id)
-        if stream is None or stream.finished:
-            return []
-        actions: list[Action] = []
-        for entry in entries:
-            if isinstance(entry, TokenBatch):
-                actions += self._token_batch(entry, source, None)
-            elif isinstance(entry, RequestEnded):
-                # Another gateway ended it (its client cancelled, or its socket closed).
-                route = self.table.route(request_id)
-                completion = stream.cancel(self._clock())
-                if route is not None:
-                    actions += stream_frames(route.socket_id, route.client_id, [completion])
-                self.table.finish(stream)
-            elif isinstance(entry, RequestFailed):
-                # The service ended it with an error (its gateway got a RequestRejected).
-                actions += self._failed(request_id, entry.code, entry.message)
-                break
-            if stream.finished:
-                break
-        return actions
-
 
 def _is_over_bytes(frame: str, limit: int) -> bool:
     """True when ``frame`` takes more than ``limit`` bytes in UTF-8."""
@@ -544,9 +450,3 @@ def _probe_client_id(frame: str) -> str | None:
         return msgspec.json.decode(frame, type=_ClientIdProbe).id
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # deep nesting
         return None
-
-
-def _cancel_upstream(stream: RequestStream) -> PostUpstream:
-    """Tell the scheduler to stop the request, and its log how far the client got."""
-    ended = RequestEnded(request_id=stream.request_id, num_tokens=len(stream.tokens))
-    return PostUpstream(CancelRequest(request_id=stream.request_id), log_entry=ended)
