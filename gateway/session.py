@@ -1,9 +1,11 @@
 """The gateway's protocol core: sans-IO, no asyncio, no Redis, no websockets.
 
-Owns the protocol's rules: what a client frame, a token batch, a tokenized
-prompt, a request log or a tick does to the requests (``gateway/request_table.py``
-holds them, ``gateway/admission.py`` says which are taken on), and the actions
-(``gateway/actions.py``) the shell carries out in order. Time comes from an
+Owns the protocol's rules for what clients say: what a client frame, a
+tokenized prompt, a loaded request log (a resume), a close or a tick does to
+the requests (``gateway/request_table.py`` holds them, ``gateway/admission.py``
+says which are taken on, ``gateway/service_feed.py`` applies what the service
+says of them), and the actions (``gateway/actions.py``) the shell carries out
+in order. Time comes from an
 injected clock, request ids from an injected factory. The flow is described
 in ``docs/architecture.md`` (*Gateway*).
 """
