@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -424,4 +425,42 @@ def test_a_burst_of_a_thousand_requests_is_queued_not_refused(
         scenario,
         max_requests_per_tenant=1000,
         max_tokenizing=1000,
+    )
+
+
+def test_a_request_without_progress_ends_in_an_error_and_is_cancelled_upstream(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    """Nobody ever answers one submit (a lost message, say): after the stall
+    deadline its client gets an error and the scheduler a cancel, at most a
+    tick (0.2 s here) late; a request whose tokens keep coming is left be."""
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        async with connect(server.url) as socket:
+            accepted_at_s = time.monotonic()
+            silent = await accept(socket, "silent")
+            moving = await accept(socket, "moving")
+            tokens = worker_tokens(chat_tokenizer, moving, " a b c d e f g h i j k l", None)
+
+            async def keep_moving() -> None:
+                for token in tokens[:8]:
+                    await upstream.publish(token)
+                    await asyncio.sleep(0.25)
+
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(keep_moving())
+                frame = await receive(socket)
+                while isinstance(frame, Token):  # the moving request's tokens
+                    frame = await receive(socket)
+                waited_s = time.monotonic() - accepted_at_s
+            assert frame == Error(
+                code="internal", message="the request made no progress for 1 s", id="silent"
+            )
+            assert 1.0 <= waited_s < 1.8, waited_s
+            assert (await upstream.next_cancel()).request_id == silent
+            stream = server.session.stream(moving)
+            assert stream is not None and not stream.finished
+
+    run_with_gateway(
+        redis_server, chat_tokenizer, model_limits, scenario, request_stall_timeout_s=1.0
     )
