@@ -36,6 +36,7 @@ from gateway.actions import (
     SendFrame,
     Tokenize,
 )
+from gateway.admission import AdmissionLimits
 from gateway.handshake import Admitted, HandshakeRefused, decide, select_subprotocol
 from gateway.log_reader import LogReader
 from gateway.outbox import Outbox
@@ -83,10 +84,12 @@ class GatewayServer:
             SessionConfig(
                 gateway_id=settings.gateway_id,
                 max_frame_bytes=settings.max_frame_bytes,
-                max_requests_per_socket=settings.max_requests_per_socket,
-                max_requests_per_tenant=settings.max_requests_per_tenant,
-                max_tokenizing=settings.max_tokenizing,
-                default_max_queued=settings.default_max_queued,
+                admission=AdmissionLimits(
+                    max_requests_per_socket=settings.max_requests_per_socket,
+                    max_requests_per_tenant=settings.max_requests_per_tenant,
+                    max_tokenizing=settings.max_tokenizing,
+                    default_max_queued=settings.default_max_queued,
+                ),
                 detach_grace_s=settings.detach_grace_s,
                 stall_timeout_s=settings.request_stall_timeout_s,
             ),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -76,10 +76,7 @@ class SessionConfig:
 
     gateway_id: str
     max_frame_bytes: int = 1 << 20
-    max_requests_per_socket: int = 64
-    max_requests_per_tenant: int = 256
-    max_tokenizing: int = 64
-    default_max_queued: int | None = 256
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     # The tenant of sockets opened without one (the open tenant).
     tenant: str = OPEN_TENANT_NAME
     # How long a finished request's frames stay available to `resume`.
@@ -116,14 +113,7 @@ class GatewaySession:
         self._new_request_id = new_request_id
         self.table = RequestTable(config.retention_s, clock)
         self.feed = ServiceFeed(self.table, limits.vocab_size, clock)
-        self._admission = Admission(
-            AdmissionLimits(
-                max_requests_per_socket=config.max_requests_per_socket,
-                max_requests_per_tenant=config.max_requests_per_tenant,
-                max_tokenizing=config.max_tokenizing,
-                default_max_queued=config.default_max_queued,
-            )
-        )
+        self._admission = Admission(config.admission)
 
     @property
     def num_sockets(self) -> int:

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from gateway.actions import Action, PostUpstream, SendFrame, Tokenize
-from gateway.admission import BUSY_MESSAGE
+from gateway.admission import BUSY_MESSAGE, AdmissionLimits
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tenants import Tenant
 from gateway.tokenizer import ChatTokenizer
@@ -62,7 +62,7 @@ def test_a_cancel_or_close_while_tokenizing_drops_the_request(
 def test_the_tokenizer_queue_is_bounded(
     chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
-    config = SessionConfig(gateway_id="gw", max_tokenizing=2)
+    config = SessionConfig(gateway_id="gw", admission=AdmissionLimits(max_tokenizing=2))
     session = GatewaySession(config, chat_tokenizer, model_limits, clock=lambda: 0.0)
     first, second = session.connect(), session.connect()
     jobs = [
@@ -84,7 +84,9 @@ def test_the_tokenizer_queue_is_bounded(
 def test_a_tenants_cap_counts_its_detached_requests(
     chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
-    config = SessionConfig(gateway_id="gw", detach_grace_s=30.0, max_requests_per_tenant=2)
+    config = SessionConfig(
+        gateway_id="gw", detach_grace_s=30.0, admission=AdmissionLimits(max_requests_per_tenant=2)
+    )
     session = InlineTokenizingSession(config, chat_tokenizer, model_limits, FakeClock())
     tenant = Tenant(name="t")
     dropped = session.connect(tenant, key_hash="k" * 64)

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from gateway.actions import Action, DeadLetter, LoadLog, PostUpstream, SendFrame
+from gateway.admission import AdmissionLimits
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
@@ -44,7 +45,11 @@ def session(
     chat_tokenizer: ChatTokenizer, model_limits: ModelLimits, clock: FakeClock
 ) -> GatewaySession:
     return InlineTokenizingSession(
-        SessionConfig(gateway_id="gw", max_frame_bytes=4096, max_requests_per_socket=2),
+        SessionConfig(
+            gateway_id="gw",
+            max_frame_bytes=4096,
+            admission=AdmissionLimits(max_requests_per_socket=2),
+        ),
         chat_tokenizer,
         model_limits,
         clock,
