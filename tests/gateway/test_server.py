@@ -432,8 +432,8 @@ def test_a_request_without_progress_ends_in_an_error_and_is_cancelled_upstream(
     redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
     """Nobody ever answers one submit (a lost message, say): after the stall
-    deadline its client gets an error and the scheduler a cancel, at most a
-    tick (0.2 s here) late; a request whose tokens keep coming is left be."""
+    deadline its client gets an error and the scheduler a cancel, within a few
+    ticks (0.2 s here); a request whose tokens keep coming is left be."""
 
     async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
         async with connect(server.url) as socket:
@@ -456,7 +456,7 @@ def test_a_request_without_progress_ends_in_an_error_and_is_cancelled_upstream(
             assert frame == Error(
                 code="internal", message="the request made no progress for 1 s", id="silent"
             )
-            assert 1.0 <= waited_s < 1.8, waited_s
+            assert 1.0 <= waited_s < 3.0, waited_s
             assert (await upstream.next_cancel()).request_id == silent
             stream = server.session.stream(moving)
             assert stream is not None and not stream.finished
