@@ -9,12 +9,14 @@ else ``internal``, and neither carries Redis's text, which is only logged.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.actions import Action, DeadLetter, PostUpstream
 from gateway.session import GatewaySession
@@ -22,13 +24,15 @@ from gateway.tenants import TOKENS_WINDOW_S, TokenReservation, over_tokens_per_m
 from shared.keys import RedisKeys
 from shared.messages import RequestRecord, SubmitRequest
 from shared.protocol import ErrorCode
-from shared.redis_streams import dead_letter, xadd_message
+from shared.redis_streams import dead_letter, reconnect_backoff_s, xadd_message
 from shared.request_log import queue_end, queue_record
 
 logger = structlog.get_logger(__name__)
 
 OVERLOADED_MESSAGE = "service overloaded, retry later"
 UNAVAILABLE_MESSAGE = "could not queue the request, retry later"
+# How long a post cut off by a lost connection is tried again (a Redis restart).
+POST_RETRY_S = 10.0
 
 
 def client_refusal(error: Exception) -> tuple[ErrorCode, str]:
@@ -69,7 +73,7 @@ class UpstreamWriter:
                 return refusal
         stream = self._keys.requests if is_submit else self._keys.control
         try:
-            await self._post_once_more_on_a_stale_connection(action, stream)
+            await self._post_until_known(action, stream)
         except (RedisError, OSError) as error:
             logger.error(
                 "could not post upstream",
@@ -90,32 +94,45 @@ class UpstreamWriter:
                 )
         return []
 
-    async def _post_once_more_on_a_stale_connection(
-        self, action: PostUpstream, stream: str
-    ) -> None:
+    async def _post_until_known(self, action: PostUpstream, stream: str) -> None:
         """One transaction: a request is submitted only with its log started.
 
-        redis-py retries plain commands on a pooled connection the server closed
-        (a Redis restart) but not a MULTI/EXEC, which fails at once; so the idle
-        connections, all as stale as that one, are dropped and the second
-        attempt takes a fresh one. Should the first have gone through after
-        all, the scheduler drops the second submit of the same id.
+        A transaction cut off by a lost connection may or may not have run (Redis
+        can run an EXEC and then close the connection on its way down), and
+        redis-py does not retry a MULTI/EXEC on a pooled connection the server
+        closed. So on a lost connection the idle connections, as stale as that
+        one, are dropped and the post is tried again with backoff for up to
+        POST_RETRY_S; before posting a submit again, its log tells whether the
+        earlier transaction ran (the log is written in the same transaction).
+        Raises the last error once the time is up (the outcome is then unknown
+        only if that last transaction was itself cut off mid-way).
         """
-        for attempt in range(2):
-            pipe = self._redis.pipeline(transaction=True)
-            if isinstance(action.log_entry, RequestRecord):
-                queue_record(pipe, self._keys, action.log_entry)
-            elif action.log_entry is not None:
-                queue_end(pipe, self._keys, action.log_entry, self._log_retention_s)
-            xadd_message(pipe, stream, action.message)
+        deadline_s = time.monotonic() + POST_RETRY_S
+        entry = action.log_entry
+        failures = 0
+        while True:
             try:
+                if failures and isinstance(entry, RequestRecord) and await self._logged(entry):
+                    return
+                pipe = self._redis.pipeline(transaction=True)
+                if isinstance(entry, RequestRecord):
+                    queue_record(pipe, self._keys, entry)
+                elif entry is not None:
+                    queue_end(pipe, self._keys, entry, self._log_retention_s)
+                xadd_message(pipe, stream, action.message)
                 await pipe.execute()
                 return
-            except RedisConnectionError:
-                if attempt == 1:
+            except (RedisConnectionError, RedisTimeoutError):
+                if time.monotonic() + reconnect_backoff_s(failures) > deadline_s:
                     raise
                 logger.info("posting again on a fresh connection", stream=stream)
                 await self._redis.connection_pool.disconnect(inuse_connections=False)
+                await asyncio.sleep(reconnect_backoff_s(failures))
+                failures += 1
+
+    async def _logged(self, record: RequestRecord) -> bool:
+        """Whether the request's log exists: its submit's transaction ran."""
+        return bool(await self._redis.exists(self._keys.request_log(record.submit.request_id)))
 
     async def dead_letter(self, action: DeadLetter) -> None:
         """Keep a message nobody could handle in the dead stream (logged when Redis refuses)."""
