@@ -17,8 +17,7 @@ from websockets.asyncio.client import connect
 
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
 from tests.conftest import descendants, free_port
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.up_process import REPO, UpProcess
 
 
 @pytest.fixture
@@ -27,45 +26,16 @@ def service(prepared_model_dir, tmp_path):
     while free_port() == port + 1:
         pass
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    process = subprocess.Popen(
+    up = UpProcess(
         [
-            sys.executable,
-            "-m",
-            "orcapod",
-            "up",
-            "--port",
-            str(port),
-            "--gateways",
-            "2",
-            "--model",
-            str(prepared_model_dir),
+            *("--port", str(port), "--gateways", "2", "--model", str(prepared_model_dir)),
             "--worker-arg=--kv-cache-bytes=134217728",
         ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        env,
     )
-    lines: list[str] = []
-    deadline = time.monotonic() + 180
-    assert process.stdout is not None
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "orcapod is ready" in line:
-            break
-    else:
-        process.kill()
-    if not any("orcapod is ready" in line for line in lines):
-        process.kill()
-        pytest.fail("orcapod up did not become ready:\n" + "".join(lines[-40:]))
-    yield process, port, lines
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    up.wait_ready()
+    yield up.process, port, up.output
+    up.stop()
 
 
 async def _generate(url: str, question: str, max_tokens: int = 12) -> tuple[str, Done]:

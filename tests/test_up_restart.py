@@ -5,13 +5,8 @@ worker process under the same id, and the service answers again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +22,8 @@ from orcapod.embedded_redis import (
 )
 from orcapod.processes import CrashLoopError, RestartBackoff, RestartPolicy, stop_children
 from tests.conftest import descendants, free_port
-from tests.test_up import REPO, _generate
+from tests.test_up import _generate
+from tests.up_process import UpProcess
 
 
 def test_the_delay_doubles_to_its_cap_and_starts_over_after_a_long_run():
@@ -95,51 +91,22 @@ def _healthz(port: int) -> int:
 def one_gateway(prepared_model_dir):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    process = subprocess.Popen(
+    up = UpProcess(
         [
-            sys.executable,
-            "-m",
-            "orcapod",
-            "up",
-            "--port",
-            str(port),
-            "--model",
-            str(prepared_model_dir),
+            *("--port", str(port), "--model", str(prepared_model_dir)),
             "--worker-arg=--kv-cache-bytes=67108864",
             "--redis-maxmemory=256mb",
         ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        env,
     )
-    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-    assert process.stdout is not None
-    stdout = process.stdout
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True)
-    reader.start()
-    seen: list[str] = []
-    deadline = time.monotonic() + 180
-    while not any("orcapod is ready" in line for line in seen):
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            pytest.fail("orcapod up did not become ready:\n" + "".join(seen[-40:]))
-        with contextlib.suppress(queue.Empty):
-            seen.append(lines.get(timeout=1))
-    yield process, port, lines, seen
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    reader.join(timeout=5)
+    up.wait_ready()
+    yield up, port
+    up.stop()
 
 
 def test_a_killed_worker_comes_back_and_the_service_answers_again(one_gateway):
-    process, port, lines, seen = one_gateway
+    up, port = one_gateway
+    process = up.process
     [old_pid] = _worker_pids(process.pid)
     os.kill(old_pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
@@ -154,11 +121,7 @@ def test_a_killed_worker_comes_back_and_the_service_answers_again(one_gateway):
         time.sleep(0.5)
     _, done = asyncio.run(_generate(f"ws://127.0.0.1:{port}/ws", "Say hello.", max_tokens=4))
     assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens >= 1
-    while True:
-        try:
-            seen.append(lines.get_nowait())
-        except queue.Empty:
-            break
+    seen = up.drain()
     restarts = [line for line in seen if "worker-0 exited with code -9; restarting it" in line]
     assert len(restarts) == 1, seen[-20:]
     # The launcher stops cleanly afterwards, the new worker with it.

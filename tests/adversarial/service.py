@@ -14,9 +14,7 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,8 +27,8 @@ from websockets.exceptions import ConnectionClosed
 
 from gateway.tenants import hash_key
 from tests.conftest import descendants, free_port, start_redis_server, stop_process
+from tests.up_process import UpProcess
 
-ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "adv"
 READY_TIMEOUT_S = 180.0
 KEYS = {"victim": "key-victim", "attacker": "key-attacker", "doomed": "key-doomed"}
@@ -65,10 +63,9 @@ class Service:
     model_dir: Path
     port: int = field(default_factory=free_port)
     redis_port: int = field(default_factory=free_port)
-    up: subprocess.Popen[str] | None = None
+    up: UpProcess | None = None
     redis_process: subprocess.Popen[bytes] | None = None
     pids: dict[str, int] = field(default_factory=dict)
-    output: list[str] = field(default_factory=list)
 
     @property
     def tenants_path(self) -> Path:
@@ -95,31 +92,19 @@ class Service:
         self.write_tenants(list(KEYS))
         env = {**os.environ, "REDIS_URL": self.redis_url, "ORCAPOD_PREFIX": PREFIX}
         env.pop("ORCAPOD_TENANTS_FILE", None)
-        self.up = subprocess.Popen(
+        self.up = UpProcess(
             [
-                sys.executable,
-                *("-m", "orcapod", "up", "--port", str(self.port)),
-                *("--model", str(self.model_dir), "--tenants-file", str(self.tenants_path)),
+                *("--port", str(self.port), "--model", str(self.model_dir)),
+                *("--tenants-file", str(self.tenants_path)),
                 "--worker-arg=--kv-cache-bytes=134217728",
             ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            env,
         )
-        assert self.up.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = self.up.stdout.readline()
-            if not line:
-                break
-            self.output.append(line)
-            if "orcapod is ready" in line:
-                break
-        if not any("orcapod is ready" in line for line in self.output):
+        try:
+            self.up.wait_ready(READY_TIMEOUT_S)
+        except BaseException:
             self.stop()
-            raise AssertionError("orcapod up did not become ready:\n" + "".join(self.output))
+            raise
         self.pids = self.actor_pids()
 
     def write_tenants(self, names: Sequence[str]) -> None:
@@ -132,7 +117,7 @@ class Service:
         """The live actor processes by role."""
         assert self.up is not None
         found = {}
-        for pid, command in descendants(self.up.pid):
+        for pid, command in descendants(self.up.process.pid):
             for role in ROLES:
                 if role in command:
                     found[role] = pid
@@ -140,18 +125,13 @@ class Service:
 
     def assert_alive(self) -> None:
         """Every actor that was there at start is still the same process."""
-        assert self.up is not None and self.up.poll() is None, "orcapod up exited"
+        assert self.up is not None and self.up.process.poll() is None, "orcapod up exited"
         assert self.redis_process is not None and self.redis_process.poll() is None
         assert self.actor_pids() == self.pids, "an actor process exited or was replaced"
 
     def stop(self) -> None:
-        if self.up is not None and self.up.poll() is None:
-            self.up.send_signal(signal.SIGTERM)
-            try:
-                self.up.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.up.kill()
-                self.up.wait()
+        if self.up is not None:
+            self.up.stop()
         if self.redis_process is not None:
             stop_process(self.redis_process)
 
