@@ -256,7 +256,7 @@ class GatewaySession:
         num_prompt_tokens = len(validated.prompt_ids)
         try:
             reservation = self._admission.reservation(
-                tenant, num_prompt_tokens + generate.max_tokens
+                tenant, num_prompt_tokens + validated.sampling.max_tokens
             )
         except AdmissionRefused as refused:
             return error_frames(socket_id, refused.code, refused.message, client_id)
