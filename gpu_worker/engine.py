@@ -376,6 +376,8 @@ class Engine:
             [work.request.spec.sampling for work in sampling_works],
             [work.request.seed for work in sampling_works],
             [work.request.num_generated for work in sampling_works],
+            # Held back (masked) while a request is short of its min_tokens.
+            [work.request.stop_token_ids for work in sampling_works],
         )
         tokens: list[SampledToken] = []
         failed: list[RequestFailure] = []

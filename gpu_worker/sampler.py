@@ -10,12 +10,17 @@ Every value the protocol admits is defined here (the limits are in
 is greedy, the filters run in float64 (logits up to fp32's largest divided by
 the smallest sampled temperature stay finite, and a top_p far below fp32's
 smallest still compares as itself), the top token always survives top_p, and
-top_k at or past the vocabulary is no filter. What cannot be sampled — a row
-with a NaN or +inf, or with every logit -inf — is that row's
+top_k at or past the vocabulary is no filter. A row whose generation index
+is below its ``min_tokens`` has its request's stop token ids masked to -inf
+first (vLLM's ``min_tokens``): the mask depends only on the request and the
+index, so the rule above still holds. What cannot be sampled — a row with a
+NaN or +inf, or with every logit -inf (after that mask) — is that row's
 ``SamplingError``; the other rows get their tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -64,10 +69,48 @@ def filtered_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
     return scaled.softmax(-1)
 
 
+def mask_stop_token_ids(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    indices: Sequence[int],
+    stop_token_ids: Sequence[Collection[int]],
+) -> torch.Tensor:
+    """``logits`` [N, vocab] with each row's ``stop_token_ids`` at -inf while its
+    generation index is below its ``min_tokens`` (a new tensor; the same one when
+    no row is held back). Ids outside the vocabulary can never be sampled: skipped."""
+    vocab_size = logits.shape[-1]
+    rows: list[int] = []
+    columns: list[int] = []
+    for row, (row_params, index, row_stop_ids) in enumerate(
+        zip(params, indices, stop_token_ids, strict=True)
+    ):
+        if index < row_params.min_tokens:
+            for token_id in row_stop_ids:
+                if 0 <= token_id < vocab_size:
+                    rows.append(row)
+                    columns.append(token_id)
+    if not rows:
+        return logits
+    positions = torch.tensor([rows, columns], dtype=torch.int64, device=logits.device)
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put((positions[0], positions[1]), minus_inf)
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    indices: list[int],
+    stop_token_ids: Sequence[Collection[int]] | None = None,
 ) -> list[int | SamplingError]:
-    """One token per row of ``logits`` [N, vocab], or that row's SamplingError."""
+    """One token per row of ``logits`` [N, vocab], or that row's SamplingError.
+
+    ``stop_token_ids[row]`` are the ids that would end the row's request (its
+    own, and EOS unless it ignores it); they cannot be drawn before its
+    ``min_tokens``. None: no row has any.
+    """
+    if stop_token_ids is not None:
+        logits = mask_stop_token_ids(logits, params, indices, stop_token_ids)
     # One pass over the batch for the argmax and the rows that cannot be sampled.
     has_nan_or_inf = (logits.isnan() | (logits == float("inf"))).any(dim=-1)  # [N]
     has_finite = (logits > float("-inf")).any(dim=-1)  # [N]

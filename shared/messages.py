@@ -30,6 +30,9 @@ MAX_TEMPERATURE = 100.0
 # top_p lies in (0, 1]; the most likely token is always kept, however small top_p is.
 # top_k lies in [0, MAX_TOP_K]; 0, or any value >= the vocabulary, is no filter.
 MAX_TOP_K = 2**63 - 1
+# min_tokens lies in [0, max_tokens]: while a request has generated fewer, its stop
+# token ids (EOS and end-of-turn included, unless ignore_eos) cannot be sampled
+# (their logits are -inf), as in vLLM; the gateway holds stop strings back as long.
 MAX_SEED = 2**63 - 1
 
 
@@ -39,6 +42,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` turn those
     filters off. ``seed`` makes sampling repeatable; the token at generation
     index i depends only on (seed, i) and the logits, never on the batch.
+    ``min_tokens`` holds back every stop token id for generation indices below it.
     """
 
     temperature: float = 0.0
@@ -48,6 +52,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Defaulted so that params written before min_tokens existed still decode.
+    min_tokens: int = 0
 
 
 class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
-from gpu_worker.sampler import filtered_probabilities, mix_seed, sample
+from gpu_worker.sampler import SamplingError, filtered_probabilities, mix_seed, sample
 from shared.messages import SamplingParams
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
@@ -48,6 +48,27 @@ def test_sampling_follows_the_distribution():
     draws = [sample(LOGITS.unsqueeze(0), [params], [seed], [0])[0] for seed in range(3000)]
     frequency = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
     assert torch.allclose(frequency, LOGITS.softmax(-1), atol=0.03)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stop_ids_are_held_back_below_min_tokens_only(temperature):
+    """Row 0's stop ids 0 and 1 (the two likeliest) cannot be drawn at indices 0..2
+    (min_tokens 3), and are again from index 3; row 1, without stop ids, is untouched."""
+    logits = torch.stack([LOGITS * 10, LOGITS * 10])
+    params = [SamplingParams(temperature=temperature, min_tokens=3)] * 2
+    stop_ids = [frozenset({0, 1, 99, -1}), frozenset()]  # ids outside the vocabulary are skipped
+    for index in range(3):
+        held, free = sample(logits, params, [index, index], [index, index], stop_ids)
+        assert held == 2 and free == 0
+    assert sample(logits, params, [3, 3], [3, 3], stop_ids) == [0, 0]
+    assert torch.equal(logits, torch.stack([LOGITS * 10, LOGITS * 10]))  # not written to
+
+
+def test_a_row_whose_every_token_is_held_back_is_its_own_error():
+    logits = torch.stack([LOGITS, LOGITS])
+    params = [SamplingParams(min_tokens=1)] * 2
+    error, token_id = sample(logits, params, [0, 0], [0, 0], [frozenset(range(5)), {0}])
+    assert isinstance(error, SamplingError) and token_id == 1
 
 
 def test_mixed_seeds_spread():

@@ -75,8 +75,17 @@ def _params() -> st.SearchStrategy[SamplingParams]:
             st.floats(min_value=0.0, max_value=1.0, exclude_min=True),
         ),
         top_k=st.one_of(st.sampled_from(TOP_KS), st.integers(0, MAX_TOP_K)),
-        max_tokens=st.just(1),
+        max_tokens=st.just(2**63 - 1),  # never read by the sampler; any min_tokens fits below
+        # Around the sampled indices, so that a row is held back or not.
+        min_tokens=st.one_of(
+            st.sampled_from([0, 1, 2, 4096, 2**31 + 1]), st.integers(0, 2**63 - 1)
+        ),
     )
+
+
+def _stop_ids() -> st.SearchStrategy[frozenset[int]]:
+    # Ids outside the vocabulary too (a stop id the model has no row for).
+    return st.frozensets(st.integers(-2, VOCAB + 1), max_size=VOCAB + 2)
 
 
 @settings(max_examples=400, deadline=None)
@@ -89,14 +98,22 @@ def test_every_admitted_value_samples_a_valid_token_deterministically(rows, data
     params = [data.draw(_params()) for _ in rows]
     seeds = [data.draw(st.one_of(st.sampled_from(SEEDS), st.integers(0, MAX_SEED))) for _ in rows]
     indices = [data.draw(st.sampled_from(INDICES)) for _ in rows]
-    first = sample(logits, params, seeds, indices)
-    again = sample(logits.clone(), params, seeds, indices)
+    stop_ids = [data.draw(_stop_ids()) for _ in rows]
+    first = sample(logits, params, seeds, indices, stop_ids)
+    again = sample(logits.clone(), params, seeds, indices, stop_ids)
     assert len(first) == len(rows)
     for row, token_id in enumerate(first):
+        held_back = stop_ids[row] if indices[row] < params[row].min_tokens else frozenset()
+        if all(logits[row, i] == float("-inf") for i in range(VOCAB) if i not in held_back):
+            # min_tokens held back every token the row could draw.
+            assert isinstance(token_id, SamplingError)
+            assert isinstance(again[row], SamplingError)
+            continue
         assert isinstance(token_id, int), (rows[row], params[row])
         assert 0 <= token_id < VOCAB
         # A token the filters or the -inf mask removed is never drawn.
         assert logits[row, token_id] > float("-inf")
+        assert token_id not in held_back
         assert again[row] == token_id
 
 
