@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from scheduler_actor.actor import SchedulerActor
 from shared.log import configure_logging, run_actor, stop_on_signals
+from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
 from shared.settings import (
     POLICIES,
@@ -35,6 +36,14 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         help="cancel the requests of a gateway silent this long (unless resumed elsewhere)",
     )
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.metrics_port,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+        "default: not served)",
+    )
+    parser.add_argument("--metrics-host", default=defaults.metrics_host)
     args = parser.parse_args(argv)
     return SchedulerSettings(
         redis=redis_settings_from_args(args),
@@ -45,15 +54,20 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         worker_timeout_s=args.worker_timeout_s,
         orphan_timeout_s=args.orphan_timeout_s,
         max_waiting=args.max_waiting,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
 
 
 async def serve(settings: SchedulerSettings) -> None:
-    """Run the actor until a signal asks it to stop."""
+    """Run the actor (and its metrics server, when asked) until a signal asks it to stop."""
     stop = stop_on_signals()
     redis = connect(settings.redis.url)
+    actor = SchedulerActor(settings, redis)
     try:
-        await SchedulerActor(settings, redis).run(stop)
+        await run_with_metrics(
+            actor.run(stop), actor.metrics.registry, settings.metrics_host, settings.metrics_port
+        )
     finally:
         await redis.aclose()
 

@@ -26,6 +26,9 @@ Overlap: workers join with ``max_inflight`` 2, so the core keeps a second
 plan queued behind the one running. A result wakes the blocked XREADGROUP at
 once and the plan that replaces it goes out in the same turn; a worker thus
 finds its next plan already in its stream when a step ends.
+
+Metrics (``scheduler_actor/metrics.py``) read the core when scraped; the
+plans of a turn are counted once its transaction went through.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from scheduler_actor.errors import (
     SchedulerError,
 )
 from scheduler_actor.liveness import Liveness
+from scheduler_actor.metrics import SchedulerMetrics
 from scheduler_actor.request import FinishedRequest
 from shared.heartbeat import sleep_unless_set
 from shared.keys import SCHEDULER_GROUP, RedisKeys
@@ -61,6 +65,7 @@ from shared.messages import (
     RequestFailed,
     RequestRejected,
     StepOutput,
+    StepPlan,
     SubmitRequest,
     WorkerJoined,
     WorkerLeft,
@@ -135,6 +140,8 @@ class SchedulerActor:
         self._next_housekeeping_s = 0.0
         self._next_summary_s = 0.0
         self._counters = _Counters()
+        # Served at /metrics by the process (``__main__``) when asked to.
+        self.metrics = SchedulerMetrics()
         self._epoch = 0
         self._redis_run_id = ""
         # Request id -> its SubmitRequest's entry, acknowledged when the request ends.
@@ -162,6 +169,7 @@ class SchedulerActor:
             await self._redis.set(self.keys.epoch, epoch)
         self._epoch = epoch
         self._core = Scheduler(scheduler_config(self.settings, epoch), self._clock)
+        self.metrics.watch(self._core)
         self._workers_alive.clear()
         self._gateways_alive.clear()
         self._submit_entry_ids.clear()
@@ -274,13 +282,14 @@ class SchedulerActor:
             membership_changed = True
         if membership_changed:
             self._refresh_ready(pipe)
-        self._queue_plans(pipe)
+        plans = self._queue_plans(pipe)
         for entry in entries:
             # A request's submit stays pending until the request ends.
             if entry.stream != self.keys.requests:
                 self._ack(pipe, entry.stream, entry.entry_id)
         if len(pipe):
             await pipe.execute()
+        self.metrics.plans_sent(plans, self.core)
         if now >= self._next_summary_s and (entries or self.core.requests):
             # An idle service logs nothing: a summary only when there was work.
             self._next_summary_s = now + SUMMARY_EVERY_S
@@ -487,9 +496,12 @@ class SchedulerActor:
         else:
             pipe.delete(self.keys.ready)
 
-    def _queue_plans(self, pipe: Pipeline) -> None:
-        """Every plan the core can send now, in order, per worker."""
+    def _queue_plans(self, pipe: Pipeline) -> list[StepPlan]:
+        """Every plan the core can send now, in order, per worker; returns them."""
+        plans: list[StepPlan] = []
         for worker_id in self.core.workers:
             while (plan := self.core.next_plan(worker_id)) is not None:
                 xadd_message(pipe, self.keys.plans(worker_id), plan, maxlen=PLAN_STREAM_MAXLEN)
-                self._counters.num_plans += 1
+                plans.append(plan)
+        self._counters.num_plans += len(plans)
+        return plans

@@ -141,6 +141,9 @@ class SchedulerSettings:
     # A gateway silent this long: its requests nobody resumed elsewhere are cancelled.
     orphan_timeout_s: float = 60.0
     max_waiting: int = 10_000
+    # Prometheus metrics at http://metrics_host:metrics_port/metrics; None: not served.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,9 @@ class WorkerSettings:
     max_inflight: int = 2
     heartbeat_s: float = 1.0
     cuda_graphs: bool = False
+    # Prometheus metrics at http://metrics_host:metrics_port/metrics; None: not served.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
 
 
 def redis_settings(

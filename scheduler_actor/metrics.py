@@ -1,0 +1,125 @@
+"""The scheduler's Prometheus metrics (``docs/metrics.md``), shaped like vLLM's.
+
+The gauges are a view of the core, read when Prometheus scrapes: nothing is
+copied on the hot loop, so no second copy can drift, and a tenant or worker
+the core no longer knows is simply not reported. Only what the core does not
+keep as a total is counted as it happens: the plans sent to each worker and
+the preemptions they carry (``plans_sent``, once per turn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler_actor.core import Scheduler
+from shared.messages import StepPlan
+
+
+class SchedulerMetrics:
+    """One scheduler's registry: its core's state, and counters of its plans."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._core_view = _CoreView()
+        self.registry.register(self._core_view)
+        self._num_plans = Counter(
+            "orcapod:plans",
+            "Step plans sent to a worker (rate(): plans per second).",
+            ["worker"],
+            registry=self.registry,
+        )
+        self._num_preemptions = Counter(
+            "orcapod:num_preemptions",
+            "Requests taken off a worker to be recomputed later (K/V ran out).",
+            registry=self.registry,
+        )
+
+    def watch(self, core: Scheduler) -> None:
+        """Report ``core`` from now on (each incarnation builds a new one)."""
+        self._core_view.core = core
+
+    def plans_sent(self, plans: Sequence[StepPlan], core: Scheduler) -> None:
+        """Count plans that reached Redis and the preemptions in them.
+
+        A plan's ``released_request_ids`` are cancels and preemptions; a
+        cancelled request has already left the core, a preempted one waits
+        again in it (or was placed again in the same plan): the live ones are
+        this plan's preemptions.
+        """
+        live = core.requests
+        for plan in plans:
+            self._num_plans.labels(plan.worker_id).inc()
+            num_preempted = sum(1 for request_id in plan.released_request_ids if request_id in live)
+            if num_preempted:
+                self._num_preemptions.inc(num_preempted)
+
+
+class _CoreView(Collector):
+    """Gauges read from the watched core at each scrape."""
+
+    def __init__(self) -> None:
+        self.core: Scheduler | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        # Describing without collecting keeps registration independent of a core.
+        yield from _gauges()
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = _gauges()
+        waiting, running, blocks_used, blocks_total, usage, vtc_service = gauges
+        core = self.core
+        if core is not None:
+            # The tenants with a live request (O(live requests), once a scrape);
+            # their counts are the tenant ledger's, which admission uses.
+            tenants = core.tenants
+            for tenant in {request.tenant for request in core.requests.values()}:
+                waiting.add_metric([tenant], tenants.num_waiting(tenant))
+                running.add_metric([tenant], tenants.num_running(tenant))
+            for worker_id, worker in core.workers.items():
+                blocks = worker.ledger
+                blocks_used.add_metric([worker_id], blocks.num_used)
+                blocks_total.add_metric([worker_id], blocks.num_blocks)
+                usage.add_metric([worker_id], blocks.num_used / blocks.num_blocks)
+            for tenant, counter in core.vtc.counters.items():
+                vtc_service.add_metric([tenant], counter)
+        yield from gauges
+
+
+def _gauges() -> tuple[GaugeMetricFamily, ...]:
+    return (
+        GaugeMetricFamily(
+            "orcapod:num_requests_waiting",
+            "Requests of a tenant on no worker (queued, or preempted).",
+            labels=["tenant"],
+        ),
+        GaugeMetricFamily(
+            "orcapod:num_requests_running",
+            "Requests of a tenant placed on a worker.",
+            labels=["tenant"],
+        ),
+        GaugeMetricFamily(
+            "orcapod:kv_blocks_used",
+            "K/V blocks of a worker the scheduler has handed out.",
+            labels=["worker"],
+        ),
+        GaugeMetricFamily(
+            "orcapod:kv_blocks_total",
+            "K/V blocks in a worker's pool.",
+            labels=["worker"],
+        ),
+        GaugeMetricFamily(
+            "orcapod:kv_cache_usage_perc",
+            "Share of a worker's K/V blocks in use (1 = full).",
+            labels=["worker"],
+        ),
+        GaugeMetricFamily(
+            "orcapod:vtc_service",
+            "A tenant's virtual token counter (VTC): weighted tokens served, "
+            "divided by the tenant's weight.",
+            labels=["tenant"],
+        ),
+    )
