@@ -11,6 +11,7 @@ from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
 from shared.log import configure_logging, run_actor, stop_on_signals
+from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
 from shared.settings import (
     WorkerSettings,
@@ -44,6 +45,14 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         action="store_true",
         help="replay captured CUDA graphs for decode-only steps (CUDA only; ignored on the CPU)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULTS["metrics_port"],
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+        "default: not served)",
+    )
+    parser.add_argument("--metrics-host", default=DEFAULTS["metrics_host"])
     args = parser.parse_args(argv)
     return WorkerSettings(
         redis=redis_settings_from_args(args),
@@ -58,6 +67,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         max_inflight=args.max_inflight,
         heartbeat_s=args.heartbeat_s,
         cuda_graphs=args.cuda_graphs,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -79,11 +90,14 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
 
 async def serve(settings: WorkerSettings, engine: Engine) -> None:
-    """Run the actor until a signal asks it to stop."""
+    """Run the actor (and its metrics server, when asked) until a signal asks it to stop."""
     stop = stop_on_signals()
     redis = connect(settings.redis.url)
+    actor = WorkerActor(settings, redis, engine)
     try:
-        await WorkerActor(settings, redis, engine).run(stop)
+        await run_with_metrics(
+            actor.run(stop), actor.metrics.registry, settings.metrics_host, settings.metrics_port
+        )
     finally:
         await redis.aclose()
 

@@ -9,7 +9,8 @@ Four owned tasks in one TaskGroup, joined by two queues:
   it hands each output to the loop;
 - the *publisher* sends each step's effects in one pipelined round trip: one
   PUBLISH of a TokenBatch per gateway, the StepOutput to the results stream,
-  the stats counters, then the XACK of the plan;
+  the stats counters, then the XACK of the plan; it also hands each step to
+  the worker's metrics (``gpu_worker/metrics.py``);
 - the *heartbeat* refreshes the worker's TTL key and re-registers when a new
   scheduler (a new epoch) starts.
 
@@ -44,6 +45,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, PlanError
+from gpu_worker.metrics import WorkerMetrics
 from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set
 from shared.keys import WORKER_GROUP, RedisKeys
 from shared.messages import (
@@ -114,6 +116,8 @@ class WorkerActor:
         self._window_busy_s = 0.0
         self._num_steps = 0
         self._last_step_end_s: float | None = None
+        # Served at /metrics by the process (``__main__``) when asked to.
+        self.metrics = WorkerMetrics(self.worker_id, engine.stats)
 
     @property
     def heartbeat_ttl_ms(self) -> int:
@@ -368,6 +372,8 @@ class WorkerActor:
     async def _publish(self, done: asyncio.Queue[_Done | None]) -> None:
         failures = 0
         while (item := await done.get()) is not None:
+            if item.output is not None:
+                self.metrics.observe_step(item.output, item.num_requests)
             while True:
                 try:
                     await self._publish_one(item)
