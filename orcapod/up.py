@@ -3,7 +3,9 @@
 Starts (when ``REDIS_URL`` is unset) an embedded redis-server, then the
 scheduler, N workers and M gateways, each as its own process whose command
 line names its role (``python -m gpu_worker --worker-id worker-0``); gateway
-i listens on port + i. Prints the URLs once a gateway reports healthy.
+i listens on port + i; the scheduler and each worker serve Prometheus metrics
+on a free loopback port (a gateway on its own port). Prints the URLs once a
+gateway reports healthy.
 Ctrl-C or SIGTERM stops everything in order and leaves no process behind.
 A scheduler, worker or gateway that exits on its own is started again under
 the same name (``RestartPolicy``: 0.5 s doubling to 10 s, reset after 60 s of
@@ -37,6 +39,7 @@ from gateway.tenants import (
 from orcapod.embedded_redis import (
     DEFAULT_MAXMEMORY,
     EmbeddedRedisError,
+    free_loopback_port,
     remove_data,
     start_embedded_redis,
 )
@@ -53,6 +56,7 @@ from orcapod.processes import (
     stop_together,
 )
 from shared.keys import RedisKeys
+from shared.metrics_http import metrics_url
 from shared.settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     POLICIES,
@@ -148,6 +152,32 @@ def _num_keys(host: str, tenants_path: Path | None, redis_url: str | None) -> in
     return num_keys
 
 
+def free_metrics_ports(count: int, taken: set[int]) -> list[int]:
+    """``count`` distinct free loopback ports, none of them in ``taken``."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_loopback_port()
+        if port not in taken and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def metrics_lines(
+    scheduler_port: int, worker_ports: list[int], gateway_host: str, gateway_ports: list[int]
+) -> list[str]:
+    """Where each actor serves ``/metrics``: the scheduler and the workers on
+    loopback, each gateway on its own host and port."""
+    endpoints = [("scheduler", metrics_url("127.0.0.1", scheduler_port))]
+    endpoints += [
+        (f"worker-{i}", metrics_url("127.0.0.1", port)) for i, port in enumerate(worker_ports)
+    ]
+    endpoints += [
+        (f"gateway-{i}", metrics_url(gateway_host, port)) for i, port in enumerate(gateway_ports)
+    ]
+    width = max(len(name) for name, _ in endpoints)
+    return ["  metrics (Prometheus):"] + [f"    {name:<{width}}  {url}" for name, url in endpoints]
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as response:
@@ -222,17 +252,36 @@ def main(argv: list[str] | None = None) -> int:
         redis_url = embedded.url
         print(f"embedded redis-server on {redis_url.split('@')[-1]} (password protected)")
     env = environment_with(REDIS_URL=redis_url)
+    gateway_ports = [args.port + i for i in range(args.gateways)]
+    # Chosen once: a restarted actor keeps its command line, so its port too.
+    scheduler_metrics_port, *worker_metrics_ports = free_metrics_ports(
+        1 + args.workers, set(gateway_ports)
+    )
 
     scheduler = start_child(
         "scheduler",
-        python_module("scheduler_actor", "--policy", args.policy, *args.scheduler_arg),
+        python_module(
+            "scheduler_actor",
+            "--policy",
+            args.policy,
+            "--metrics-port",
+            str(scheduler_metrics_port),
+            *args.scheduler_arg,
+        ),
         env,
     )
     workers = [
         start_child(
             f"worker-{i}",
             python_module(
-                "gpu_worker", "--worker-id", f"worker-{i}", "--model", model_dir, *args.worker_arg
+                "gpu_worker",
+                "--worker-id",
+                f"worker-{i}",
+                "--model",
+                model_dir,
+                "--metrics-port",
+                str(worker_metrics_ports[i]),
+                *args.worker_arg,
             ),
             env,
         )
@@ -298,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                 print(f"  policy {args.policy}, {args.workers} worker(s), model {model_dir}")
+                for line in metrics_lines(
+                    scheduler_metrics_port, worker_metrics_ports, args.host, gateway_ports
+                ):
+                    print(line)
                 print(
                     "  chat with: orcapod chat --url "
                     f"ws://{args.host}:{args.port}/ws   (Ctrl-C here stops everything)",
