@@ -70,11 +70,17 @@ class Admission:
             )
         tenant = table.socket(socket_id).tenant
         cap = tenant.max_tokens_per_request
-        if cap is not None and generate.max_tokens > cap:
-            raise AdmissionRefused(
-                "invalid_request",
-                f"max_tokens {generate.max_tokens} is over tenant {tenant.name!r}'s limit of {cap}",
-            )
+        # A null max_tokens is settled after tokenizing (gateway/validation.py); it
+        # comes to at least min_tokens.
+        for name, value in (
+            ("max_tokens", generate.max_tokens),
+            ("min_tokens", generate.min_tokens),
+        ):
+            if cap is not None and value is not None and value > cap:
+                raise AdmissionRefused(
+                    "invalid_request",
+                    f"{name} {value} is over tenant {tenant.name!r}'s max_tokens limit of {cap}",
+                )
 
     def check_capacity(self, table: RequestTable, socket_id: int) -> None:
         """Raise AdmissionRefused unless a new request may be tokenized now."""

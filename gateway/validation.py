@@ -5,7 +5,8 @@ raises :class:`RequestValidationError` carrying the protocol error code, so the
 caller only has to turn it into an ``error`` frame. Two steps, so the caller can
 run the second off its event loop: :func:`check_generate` (cheap, bounded by
 the frame: sizes, counts, ranges) and :func:`tokenize_generate` (chat template
-and tokenizer, over at most ``max_prompt_chars`` characters).
+and tokenizer, over at most ``max_prompt_chars`` characters; then the prompt's
+length settles a ``null`` max_tokens).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def tokenize_generate(
     generate: Generate, tokenizer: ChatTokenizer, limits: ModelLimits
 ) -> ValidatedRequest:
     """Render and tokenize the prompt of a ``generate`` that passed :func:`check_generate`,
-    and check it fits the context; raises :class:`RequestValidationError`.
+    check it fits the context and settle max_tokens (a ``null`` one takes what the
+    context leaves); raises :class:`RequestValidationError`.
 
     Safe to call from a worker thread: it reads only its arguments, and the
     tokenizer is thread-safe (:class:`ChatTokenizer`).
@@ -110,13 +112,7 @@ def tokenize_generate(
     prompt_ids = _prompt_ids(generate, tokenizer)
     if not prompt_ids:
         raise RequestValidationError("invalid_request", "the prompt is empty")
-    num_tokens = len(prompt_ids) + generate.max_tokens
-    if num_tokens > limits.context_tokens:
-        raise RequestValidationError(
-            "prompt_too_long",
-            f"the prompt has {len(prompt_ids)} tokens; with max_tokens {generate.max_tokens} "
-            f"that is {num_tokens}, over the model's context of {limits.context_tokens}",
-        )
+    max_tokens = _resolve_max_tokens(generate, len(prompt_ids), limits)
     sampling = SamplingParams(
         # + 0.0 makes -0.0 plain 0.0 (greedy): no sampler has to know a signed zero.
         temperature=generate.temperature + 0.0,
@@ -125,12 +121,38 @@ def tokenize_generate(
         # A seed for every request: token i then depends only on (seed, i), so a
         # recompute after a lost worker or scheduler samples the same tokens again.
         seed=generate.seed if generate.seed is not None else secrets.randbits(63),
-        max_tokens=generate.max_tokens,
+        max_tokens=max_tokens,
         # The worker adds the model's EOS and end-of-turn ids itself (unless ignore_eos).
         stop_token_ids=(),
         ignore_eos=generate.ignore_eos,
+        min_tokens=generate.min_tokens,
     )
     return ValidatedRequest(prompt_ids=prompt_ids, sampling=sampling)
+
+
+def _resolve_max_tokens(generate: Generate, num_prompt_tokens: int, limits: ModelLimits) -> int:
+    """The max_tokens a request of ``num_prompt_tokens`` runs with: its own, or for
+    ``null`` all the context leaves beside the prompt up to ``max_tokens_limit``;
+    raises ``prompt_too_long`` when that does not fit (or is below min_tokens)."""
+    room = limits.context_tokens - num_prompt_tokens
+    if generate.max_tokens is not None:
+        if generate.max_tokens > room:
+            raise RequestValidationError(
+                "prompt_too_long",
+                f"the prompt has {num_prompt_tokens} tokens; with max_tokens "
+                f"{generate.max_tokens} that is {num_prompt_tokens + generate.max_tokens}, "
+                f"over the model's context of {limits.context_tokens}",
+            )
+        return generate.max_tokens
+    # check_generate already refused a min_tokens over max_tokens_limit.
+    if room < max(generate.min_tokens, 1):
+        raise RequestValidationError(
+            "prompt_too_long",
+            f"the prompt has {num_prompt_tokens} tokens, which leaves room for "
+            f"{max(room, 0)} more in the model's context of {limits.context_tokens}; "
+            f"the request generates at least {max(generate.min_tokens, 1)}",
+        )
+    return min(room, limits.max_tokens_limit)
 
 
 def _invalid(message: str) -> RequestValidationError:
@@ -208,22 +230,43 @@ def _check_sampling(generate: Generate, limits: ModelLimits) -> None:
         raise _invalid(f"temperature {generate.temperature} is not a finite number in [0, 100]")
     if not (math.isfinite(generate.top_p) and 0 < generate.top_p <= 1):
         raise _invalid(f"top_p {generate.top_p} is not a finite number in (0, 1]")
-    for name, value in (("top_k", generate.top_k), ("seed", generate.seed)):
+    for name, value in (
+        ("top_k", generate.top_k),
+        ("seed", generate.seed),
+        ("min_tokens", generate.min_tokens),
+    ):
         if value is not None and not 0 <= value <= 2**63 - 1:
             raise _invalid(f"{name} {value} is not in [0, 2**63 - 1]")
-    if generate.max_tokens < 1:
-        raise _invalid(f"max_tokens {generate.max_tokens} is below 1")
-    if generate.max_tokens > limits.max_tokens_limit:
+    _check_token_counts(generate, limits)
+
+
+def _check_token_counts(generate: Generate, limits: ModelLimits) -> None:
+    """max_tokens (when given) and min_tokens: under the caps, in order, and leaving
+    room for a prompt; a null max_tokens is settled once the prompt's length is known."""
+    max_tokens = generate.max_tokens
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise _invalid(f"max_tokens {max_tokens} is below 1")
+        if max_tokens > limits.max_tokens_limit:
+            raise _invalid(
+                f"max_tokens {max_tokens} is over the limit of {limits.max_tokens_limit}"
+            )
+        if generate.min_tokens > max_tokens:
+            raise _invalid(f"min_tokens {generate.min_tokens} is over max_tokens {max_tokens}")
+    elif generate.min_tokens > limits.max_tokens_limit:
+        # A null max_tokens resolves to at most the limit.
         raise _invalid(
-            f"max_tokens {generate.max_tokens} is over the limit of {limits.max_tokens_limit}"
+            f"min_tokens {generate.min_tokens} is over the max_tokens limit of "
+            f"{limits.max_tokens_limit}"
         )
-    if generate.max_tokens >= limits.context_tokens:
-        # No prompt of at least one token fits beside it.
-        raise RequestValidationError(
-            "prompt_too_long",
-            f"max_tokens {generate.max_tokens} leaves no room for a prompt in the model's "
-            f"context of {limits.context_tokens}",
-        )
+    # No prompt of at least one token fits beside either.
+    for name, value in (("max_tokens", max_tokens), ("min_tokens", generate.min_tokens)):
+        if value is not None and value >= limits.context_tokens:
+            raise RequestValidationError(
+                "prompt_too_long",
+                f"{name} {value} leaves no room for a prompt in the model's "
+                f"context of {limits.context_tokens}",
+            )
 
 
 def _check_stop(stop: list[str], protocol: ProtocolLimits) -> None:

@@ -30,10 +30,10 @@ MAX_TEMPERATURE = 100.0
 # top_p lies in (0, 1]; the most likely token is always kept, however small top_p is.
 # top_k lies in [0, MAX_TOP_K]; 0, or any value >= the vocabulary, is no filter.
 MAX_TOP_K = 2**63 - 1
+MAX_SEED = 2**63 - 1
 # min_tokens lies in [0, max_tokens]: while a request has generated fewer, its stop
 # token ids (EOS and end-of-turn included, unless ignore_eos) cannot be sampled
 # (their logits are -inf), as in vLLM; the gateway holds stop strings back as long.
-MAX_SEED = 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

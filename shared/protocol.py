@@ -66,7 +66,11 @@ class Generate(
     messages: list[ChatMessage] | None = None
     prompt: Annotated[str, msgspec.Meta(max_length=PROTOCOL_LIMITS.max_prompt_chars)] | None = None
     prompt_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # Absent: 256. ``null``: as many as the context leaves beside the prompt, up to
+    # the gateway's cap (resolved by ``gateway/validation.py`` once the prompt is tokenized).
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = 256
+    # No end-of-turn token, stop token or stop string ends the request before this many tokens.
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     # Bounded so the SubmitRequest can carry it (MessagePack ints end at 2**64).

@@ -147,3 +147,29 @@ def test_a_tenant_without_max_queued_gets_the_default(
     ]
     [submit] = submits
     assert isinstance(submit, SubmitRequest) and submit.limits.max_queued == expected
+
+
+def test_a_null_max_tokens_is_settled_before_it_is_reserved_and_submitted(
+    chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    session = InlineTokenizingSession(
+        SessionConfig(gateway_id="gw"), chat_tokenizer, model_limits, FakeClock()
+    )
+    tenant = Tenant(name="t", tokens_per_minute=100_000)
+    socket_id = session.connect(tenant, key_hash="k" * 64)
+    frame = generate_frame("a", max_tokens=None, min_tokens=3)
+    [post] = [a for a in session.on_frame(socket_id, frame) if isinstance(a, PostUpstream)]
+    submit = post.message
+    assert isinstance(submit, SubmitRequest)
+    num_prompt_tokens = len(submit.prompt_ids)
+    # The context leaves more than the gateway's cap beside "Hello": the cap.
+    assert submit.sampling.max_tokens == model_limits.max_tokens_limit
+    assert submit.sampling.min_tokens == 3
+    assert post.reservation is not None
+    assert post.reservation.num_tokens == num_prompt_tokens + model_limits.max_tokens_limit
+    # A tenant's max_tokens cap holds min_tokens too (a null max_tokens comes to at least it).
+    capped = session.connect(Tenant(name="u", max_tokens_per_request=500), key_hash="u" * 64)
+    frame = generate_frame("b", max_tokens=None, min_tokens=501)
+    [refused] = frames(session.on_frame(capped, frame))
+    assert isinstance(refused, Error) and refused.code == "invalid_request"
+    assert "min_tokens 501" in refused.message and "500" in refused.message

@@ -153,6 +153,70 @@ def test_max_tokens_that_leaves_no_room_for_a_prompt(run, model_limits: ModelLim
     refused(run(generate(max_tokens=context, **one_id), limits), "prompt_too_long", "no room")
 
 
+def null_max_tokens(**fields: Any) -> str:
+    """A generate frame (JSON text) whose max_tokens is an explicit null."""
+    return json.dumps({**generate(**fields), "max_tokens": None})
+
+
+def test_max_tokens_absent_is_256_and_null_is_what_the_context_leaves(
+    run, model_limits: ModelLimits
+) -> None:
+    assert accepted(run(generate())).sampling.max_tokens == 256
+    context = model_limits.context_tokens
+    roomy = replace(model_limits, max_tokens_limit=context * 2)
+    capped = replace(model_limits, max_tokens_limit=7)
+    for num_prompt_tokens in (1, 100, context - 7, context - 1):
+        frame = null_max_tokens(prompt=None, prompt_token_ids=[1] * num_prompt_tokens)
+        assert accepted(run(frame, roomy)).sampling.max_tokens == context - num_prompt_tokens
+        # Capped by the gateway's max_tokens_limit.
+        assert accepted(run(frame, capped)).sampling.max_tokens == min(
+            7, context - num_prompt_tokens
+        )
+
+
+def test_max_tokens_null_with_a_prompt_that_fills_the_context(
+    run, model_limits: ModelLimits
+) -> None:
+    context = model_limits.context_tokens
+    full = null_max_tokens(prompt=None, prompt_token_ids=[1] * context)
+    refused(run(full), "prompt_too_long")
+    roomy = replace(model_limits, max_tokens_limit=context * 2)
+    refused(run(full, roomy), "prompt_too_long", f"{context} tokens", "room for 0 more")
+    # Room left, but less than min_tokens.
+    tight = null_max_tokens(prompt=None, prompt_token_ids=[1] * (context - 3), min_tokens=4)
+    refused(run(tight), "prompt_too_long", "room for 3 more", "at least 4")
+    fits = null_max_tokens(prompt=None, prompt_token_ids=[1] * (context - 4), min_tokens=4)
+    assert accepted(run(fits)).sampling.max_tokens == 4
+
+
+def test_min_tokens_boundaries(run, model_limits: ModelLimits) -> None:
+    assert accepted(run(generate())).sampling.min_tokens == 0
+    sampling = accepted(run(generate(min_tokens=7, max_tokens=7))).sampling
+    assert (sampling.min_tokens, sampling.max_tokens) == (7, 7)
+    refused(run(generate(min_tokens=8, max_tokens=7)), "invalid_request", "min_tokens 8", "7")
+    refused(run(generate(min_tokens=-1)), "invalid_request", "min_tokens")
+    for huge in (2**63 - 1, 2**63, 2**64, 10**30):
+        refused(run(generate(min_tokens=huge)), "invalid_request", "min_tokens")
+    # With a null max_tokens, min_tokens is held to the gateway's limit and the context.
+    limit = model_limits.max_tokens_limit
+    assert accepted(run(null_max_tokens(min_tokens=limit))).sampling.min_tokens == limit
+    over = null_max_tokens(min_tokens=limit + 1)
+    refused(run(over), "invalid_request", f"min_tokens {limit + 1}", str(limit))
+    context = model_limits.context_tokens
+    roomy = replace(model_limits, max_tokens_limit=context * 2)
+    no_room = null_max_tokens(min_tokens=context)
+    refused(run(no_room, roomy), "prompt_too_long", f"min_tokens {context}", "no room")
+
+
+def test_check_generate_holds_min_tokens_without_the_decoder(model_limits: ModelLimits) -> None:
+    for min_tokens in (-1, 2**63, 2**70):
+        with pytest.raises(RequestValidationError, match="min_tokens") as error:
+            check_generate(Generate(id="g", prompt="Hi", min_tokens=min_tokens), model_limits)
+        assert error.value.code == "invalid_request"
+    with pytest.raises(RequestValidationError, match="min_tokens 300 is over max_tokens 256"):
+        check_generate(Generate(id="g", prompt="Hi", min_tokens=300), model_limits)
+
+
 # -- stop strings ---------------------------------------------------------------------
 
 
