@@ -1,10 +1,11 @@
 """One request's token stream as the gateway serves it: pure, no I/O.
 
 Puts sampled tokens in order (each ``index`` exactly once), detokenizes them
-incrementally, applies stop strings, times the request and keeps the log of
-what it emitted so a client that reconnects can ``resume``. The log is made
-of msgspec Structs without any client or socket in them, so it could as well
-be kept in Redis for a resume on another gateway.
+incrementally, applies stop strings (from the ``min_tokens``-th token on),
+times the request and keeps the log of what it emitted so a client that
+reconnects can ``resume``. The log is made of msgspec Structs without any
+client or socket in them, so it could as well be kept in Redis for a resume
+on another gateway.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class RequestStream:
         detokenizer: IncrementalDetokenizer,
         stop: Sequence[str],
         accepted_at_s: float,
+        min_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.tenant = tenant
@@ -75,6 +77,8 @@ class RequestStream:
         self.max_tokens = max_tokens
         self._detokenizer = detokenizer
         self._stop_matcher = StopStringMatcher(stop)
+        # A stop string ends the request only in the text of its min_tokens-th token or later.
+        self._min_tokens = min_tokens
         self._accepted_at_s = accepted_at_s
         self._first_token_at_s: float | None = None
         # When the request last moved (accepted, or a new token arrived): a
@@ -107,6 +111,7 @@ class RequestStream:
             detokenizer=IncrementalDetokenizer(tokenizer, submit.prompt_ids),
             stop=stop,
             accepted_at_s=accepted_at_s,
+            min_tokens=submit.sampling.min_tokens,
         )
 
     @property
@@ -150,7 +155,7 @@ class RequestStream:
         delta = self._detokenizer.add(token.token_id)
         if is_last:
             delta += self._detokenizer.finish()
-        result = self._stop_matcher.feed(delta)
+        result = self._stop_matcher.feed(delta, can_stop=token.index + 1 >= self._min_tokens)
         text = result.text
         if is_last and not result.stopped:
             text += self._stop_matcher.flush()

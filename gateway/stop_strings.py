@@ -5,7 +5,9 @@ string can straddle pieces. The matcher holds back the longest tail of what it
 has seen that could still become the start of a stop string, and emits the
 rest. When a stop string completes it emits the text up to (not including) it
 and stops: the output is exactly the whole text cut before the stop string
-occurrence that ends first, however the text was split.
+occurrence that ends first, however the text was split. Text fed with
+``can_stop=False`` (a request's tokens before its ``min_tokens``) goes out
+whole: an occurrence ending in it does not count, one that only ends later does.
 
 Each stop string has a Knuth-Morris-Pratt automaton that follows the longest
 of its prefixes the text ends with, so a character costs amortized O(1) per
@@ -29,9 +31,10 @@ class StopResult:
     stopped: bool = False
 
 
-def truncate_at_stop(text: str, stop: Sequence[str]) -> str | None:
+def truncate_at_stop(text: str, stop: Sequence[str], num_unstoppable: int = 0) -> str | None:
     """``text`` cut before the stop-string occurrence that ends first (the
-    longer one when two end together), or None when no stop string occurs.
+    longer one when two end together), or None when no stop string occurs;
+    occurrences that end within the first ``num_unstoppable`` characters do not count.
 
     The reference the streaming matcher agrees with; ending first is what
     "first" must mean for a stream, since a stop string is only known to have
@@ -39,7 +42,8 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> str | None:
     """
     best: tuple[int, int] | None = None  # (end, start) of the earliest-ending occurrence
     for stop_string in stop:
-        start = text.find(stop_string)
+        # The first occurrence that ends past num_unstoppable starts at or after this.
+        start = text.find(stop_string, max(0, num_unstoppable - len(stop_string) + 1))
         if start < 0:
             continue
         candidate = (start + len(stop_string), start)
@@ -69,7 +73,7 @@ class _PrefixAutomaton:
     def scan(self, text: str, start: int) -> int | None:
         """Feed ``text[start:]``; return the end of the first full match, or None.
 
-        Called no more once it has matched: the request stops there.
+        After a match, :meth:`resume_after_match` comes before the next scan.
         """
         pattern, failure = self.pattern, self._failure
         state, index = self.state, start
@@ -93,6 +97,18 @@ class _PrefixAutomaton:
         self.state = state
         return None
 
+    def resume_after_match(self) -> None:
+        """Go on after a full match as after a mismatch: the match's longest proper
+        suffix that is also a prefix may start the next occurrence."""
+        assert self.state == len(self.pattern), "resume without a match"
+        self.state = self._failure[-1]
+
+    def scan_past_matches(self, text: str, start: int) -> None:
+        """Feed ``text[start:]``, going on after every match (none of them counts)."""
+        while (end := self.scan(text, start)) is not None:
+            self.resume_after_match()
+            start = end
+
 
 class StopStringMatcher:
     """Feed text deltas in order; get back what may be sent so far."""
@@ -109,24 +125,30 @@ class StopStringMatcher:
         """True once a stop string has matched."""
         return self._stopped
 
-    def feed(self, delta: str) -> StopResult:
-        """Add ``delta``; return the text now safe to send and whether a stop string matched."""
+    def feed(self, delta: str, *, can_stop: bool = True) -> StopResult:
+        """Add ``delta``; return the text now safe to send and whether a stop string
+        matched. With ``can_stop`` False no occurrence ending in ``delta`` stops
+        the stream (one may still start in it and end in a later delta)."""
         if self._stopped:
             raise RuntimeError("feed after a stop string matched")
         if not self._automata:
             return StopResult(delta)
         text = self._held + delta
-        # The occurrence that ends first, the longer of two ending together.
-        first: tuple[int, int] | None = None  # (end, -length)
-        for automaton in self._automata:
-            end = automaton.scan(text, len(self._held))
-            if end is not None and (first is None or (end, -len(automaton.pattern)) < first):
-                first = (end, -len(automaton.pattern))
-        if first is not None:
-            self._held = ""
-            self._stopped = True
-            end, negative_length = first
-            return StopResult(text[: end + negative_length], stopped=True)
+        if can_stop:
+            # The occurrence that ends first, the longer of two ending together.
+            first: tuple[int, int] | None = None  # (end, -length)
+            for automaton in self._automata:
+                end = automaton.scan(text, len(self._held))
+                if end is not None and (first is None or (end, -len(automaton.pattern)) < first):
+                    first = (end, -len(automaton.pattern))
+            if first is not None:
+                self._held = ""
+                self._stopped = True
+                end, negative_length = first
+                return StopResult(text[: end + negative_length], stopped=True)
+        else:
+            for automaton in self._automata:
+                automaton.scan_past_matches(text, len(self._held))
         # Every state is below its pattern's length here, so the tail is a proper prefix.
         held_length = max(automaton.state for automaton in self._automata)
         self._held = text[len(text) - held_length :] if held_length else ""

@@ -8,15 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.stop_strings import StopStringMatcher, truncate_at_stop
+from gateway.stop_strings import StopResult, StopStringMatcher, truncate_at_stop
 
 
-def run_matcher(deltas: list[str], stop: list[str]) -> tuple[str, bool]:
-    """Feed ``deltas`` until a stop; flush at the end of the stream like the gateway does."""
+def run_matcher(deltas: list[str], stop: list[str], num_unstoppable: int = 0) -> tuple[str, bool]:
+    """Feed ``deltas`` until a stop, the first ``num_unstoppable`` of them with
+    can_stop False (a request's tokens before min_tokens); flush at the end of
+    the stream like the gateway does."""
     matcher = StopStringMatcher(stop)
     output = []
-    for delta in deltas:
-        result = matcher.feed(delta)
+    for index, delta in enumerate(deltas):
+        result = matcher.feed(delta, can_stop=index >= num_unstoppable)
         output.append(result.text)
         if result.stopped:
             return "".join(output), True
@@ -66,6 +68,16 @@ def test_the_stop_string_that_ends_first_wins() -> None:
     assert truncate_at_stop("nothing", ["zz"]) is None
 
 
+def test_before_min_tokens_a_stop_string_goes_out_as_text() -> None:
+    matcher = StopStringMatcher(["END"])
+    assert matcher.feed("one END two E", can_stop=False) == StopResult("one END two ")
+    assert matcher.feed("ND three") == StopResult("", stopped=True)  # ends past min_tokens
+    # Only an occurrence that ends where the request may stop counts.
+    assert run_matcher(["xEND", "END"], ["END"], num_unstoppable=1) == ("xEND", True)
+    assert run_matcher(["aa", "a"], ["aa"], num_unstoppable=1) == ("a", True)  # overlapping
+    assert run_matcher(["ENDEND", "x"], ["END"], num_unstoppable=1) == ("ENDENDx", False)
+
+
 def test_empty_stop_string_is_refused() -> None:
     with pytest.raises(ValueError):
         StopStringMatcher([""])
@@ -113,6 +125,23 @@ def test_many_long_overlapping_stop_strings_agree_with_the_reference(
     # which is where the automata's fallbacks matter.
     output, stopped = run_matcher(split_at(text, cuts), stop)
     expected = truncate_at_stop(text, stop)
+    assert stopped == (expected is not None)
+    assert output == (text if expected is None else expected)
+
+
+@given(
+    text=st.text(alphabet="ab", max_size=60),
+    cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=12),
+    stop=st.lists(st.text(alphabet="ab", min_size=1, max_size=6), max_size=4),
+    num_unstoppable=st.integers(min_value=0, max_value=14),
+)
+def test_stop_strings_ending_before_min_tokens_do_not_count(
+    text: str, cuts: list[int], stop: list[str], num_unstoppable: int
+) -> None:
+    deltas = split_at(text, cuts)
+    num_chars = len("".join(deltas[:num_unstoppable]))
+    output, stopped = run_matcher(deltas, stop, num_unstoppable)
+    expected = truncate_at_stop(text, stop, num_unstoppable=num_chars)
     assert stopped == (expected is not None)
     assert output == (text if expected is None else expected)
 
