@@ -48,7 +48,9 @@ class SchedulerMetrics:
         A plan's ``released_request_ids`` are cancels and preemptions; a
         cancelled request has already left the core, a preempted one waits
         again in it (or was placed again in the same plan): the live ones are
-        this plan's preemptions.
+        this plan's preemptions. (A preemption in a step that then planned
+        nothing travels with the worker's next plan; should its request be
+        cancelled meanwhile, it goes uncounted.)
         """
         live = core.requests
         for plan in plans:
