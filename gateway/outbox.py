@@ -1,20 +1,19 @@
-"""One socket's outbox: the frames queued for it, bounded in bytes, and the
-writer task that sends them in order.
+"""One connection's outbox: the bytes queued for it (a websocket's frames, an
+HTTP response's server-sent events), bounded, and the writer task that sends
+them in order.
 
-The pub/sub reader that feeds every socket only ever queues here, so a slow
-client never stalls the others; the byte cap keeps a client that stops
-reading from holding the gateway's memory: over it, the socket is closed
-(1013, try again later) and its requests detach as on any close.
+The pub/sub reader that feeds every connection only ever queues here, so a
+slow client never stalls the others; the byte cap keeps a client that stops
+reading from holding the gateway's memory: over it, the connection is closed
+(a websocket with 1013, try again later) and its requests detach or end as on
+any close.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-from websockets.frames import CloseCode
+from collections.abc import Awaitable, Callable
 
 OVERFLOW_REASON = "client too slow: its unread frames went over the limit"
 
@@ -68,8 +67,9 @@ class Outbox:
         self._ready.set()
         self._ended.set()
 
-    async def write_to(self, connection: ServerConnection) -> None:
-        """Send the frames in order until ``close`` (or an overflow)."""
+    async def write_to(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """Send the frames in order with ``send`` until ``close`` (or an
+        overflow), or until ``send`` finds the connection gone."""
         while not self.overflowed:
             await self._ready.wait()
             self._ready.clear()
@@ -77,15 +77,15 @@ class Outbox:
                 frame = self._frames.popleft()
                 self._num_bytes -= len(frame)
                 try:
-                    await connection.send(frame, text=True)
-                except ConnectionClosed:
+                    await send(frame)
+                except ConnectionError:
                     return
             if self._closed and not self._frames:
                 return
 
-    async def close_on_overflow(self, connection: ServerConnection) -> None:
-        """Close the socket with 1013 (try again later) once over the cap; end
-        with the outbox otherwise."""
+    async def close_on_overflow(self, close: Callable[[], Awaitable[object]]) -> None:
+        """Close the connection with ``close`` once over the cap; end with the
+        outbox otherwise."""
         await self._ended.wait()
         if self.overflowed:
-            await connection.close(CloseCode.TRY_AGAIN_LATER, OVERFLOW_REASON)
+            await close()

@@ -1,9 +1,11 @@
 """The gateway actor: the asyncio shell around :class:`gateway.session.GatewaySession`.
 
-Owns the gateway's tasks and the order they start and stop in: the
-websockets server (``/ws``, ``/healthz``; the handshake's decision is
-``gateway/handshake.py``'s), per socket one reader and one writer
-(``gateway/outbox.py``), the tokens channel (``gateway/token_channel.py``), the
+Owns the gateway's tasks and the order they start and stop in: the aiohttp
+server on the gateway's one port (``/ws``, the websocket, whose handshake's
+decision is ``gateway/handshake.py``'s; the OpenAI API,
+``gateway/openai_endpoint.py``; ``/health``, ``/healthz``, ``/metrics``), per
+socket one reader and one writer (``gateway/outbox.py``), the tokens channel
+(``gateway/token_channel.py``), the
 log follower (``gateway/log_reader.py``), the tokenizer threads
 (``gateway/tokenizer_pool.py``), the tenant table's reloader, the heartbeat.
 Writes to Redis are ``gateway/upstream.py``'s. Every task is owned by a
@@ -14,18 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from http import HTTPStatus
-from urllib.parse import urlsplit
+from pathlib import Path
+from typing import Protocol
 
 import structlog
+from aiohttp import WSCloseCode, WSMsgType, web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import AuthenticationError, RedisError
-from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
-from websockets.frames import CloseCode
-from websockets.http11 import Request, Response
-from websockets.typing import Subprotocol
+from websockets.datastructures import Headers
 
 from gateway.actions import (
     Action,
@@ -34,12 +34,15 @@ from gateway.actions import (
     LoadLog,
     PostUpstream,
     SendFrame,
+    ServerFrame,
     Tokenize,
 )
 from gateway.admission import AdmissionLimits
-from gateway.handshake import Admitted, HandshakeRefused, decide, select_subprotocol
+from gateway.handshake import SUBPROTOCOL, Admitted, HandshakeRefused, decide
 from gateway.log_reader import LogReader
-from gateway.outbox import Outbox
+from gateway.metrics import GatewayMetrics
+from gateway.openai_endpoint import Exchange, OpenAIEndpoint
+from gateway.outbox import OVERFLOW_REASON, Outbox
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tenant_loader import TenantLoader
 from gateway.tenants import OPEN_TENANT, Tenant, UnprotectedHostError, is_loopback_host
@@ -58,9 +61,15 @@ logger = structlog.get_logger(__name__)
 
 WS_PATH = "/ws"
 HEALTH_PATH = "/healthz"
-# Frames websockets buffers per socket before it stops reading that socket:
-# with the frame limit, what one socket's unread input can hold.
-INCOMING_QUEUE_FRAMES = 4
+# vLLM's and llama.cpp's name for the same check.
+HEALTH_ALIAS_PATH = "/health"
+METRICS_PATH = "/metrics"
+# A ping every so often; a socket whose pong does not come within half of it closes.
+PING_INTERVAL_S = 20.0
+# How long a closing socket waits for the client's close frame.
+CLOSE_TIMEOUT_S = 5.0
+# After the drain, how long the HTTP server waits for its handlers before cancelling them.
+SHUTDOWN_TIMEOUT_S = 1.0
 DRAIN_POLL_S = 0.05
 HEALTH_TIMEOUT_S = 1.0
 REDIS_TIMEOUT_S = 5.0
@@ -103,12 +112,21 @@ class GatewayServer:
         # Decided once, at start (``_load_tenants``): keys that go away later
         # never open the gateway.
         self._open_tenant: Tenant | None = None
-        # What each handshake decided, until its socket handler takes it.
-        self._handshakes: weakref.WeakKeyDictionary[ServerConnection, Admitted] = (
-            weakref.WeakKeyDictionary()
+        # Where the core's frames for each socket go: a websocket's outbox, or
+        # an OpenAI request's exchange (a virtual socket of its own).
+        self._sinks: dict[int, _FrameSink] = {}
+        self._websockets: dict[int, web.WebSocketResponse] = {}
+        self._draining = False
+        self.metrics = GatewayMetrics(settings.gateway_id)
+        self._openai = OpenAIEndpoint(
+            self,
+            served_model=served_model_name(settings.model.model_dir),
+            context_tokens=limits.context_tokens,
+            max_body_bytes=settings.max_frame_bytes,
+            max_outbox_bytes=settings.max_outbox_bytes,
+            on_started=self.metrics.http_request_started,
+            on_ended=self.metrics.http_request_ended,
         )
-        self._outboxes: dict[int, Outbox] = {}
-        self._connections: dict[int, ServerConnection] = {}
         self._readers_stop = asyncio.Event()
         self._upstream = UpstreamWriter(
             self._redis, self._keys, self._session, settings.redis.log_retention_s
@@ -130,9 +148,19 @@ class GatewayServer:
         return self._session
 
     @property
+    def draining(self) -> bool:
+        """Shutting down: new requests and sockets are refused."""
+        return self._draining
+
+    @property
     def url(self) -> str:
         """The websocket endpoint, once listening."""
         return f"ws://{self.settings.host}:{self.port}{WS_PATH}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP root (the OpenAI API is under ``/v1``), once listening."""
+        return f"http://{self.settings.host}:{self.port}"
 
     def request_tenants_reload(self) -> None:
         """Re-read the tenants file and hash now (SIGHUP), not at the next poll."""
@@ -164,31 +192,44 @@ class GatewayServer:
             logger.info("gateway stopped")
 
     async def _serve(self, stop: asyncio.Event) -> None:
-        async with serve(
-            self._serve_socket,
-            self.settings.host,
-            self.settings.port,
-            process_request=self._process_request,
-            select_subprotocol=_select_subprotocol,
-            # A frame over the limit closes its socket (1009) before it is
-            # buffered, and a compressed one is never inflated past it
-            # (websockets caps the decompressed size too).
-            max_size=self.settings.max_frame_bytes,
-            max_queue=INCOMING_QUEUE_FRAMES,
-        ) as server:
-            self.port = int(next(iter(server.sockets)).getsockname()[1])
-            logger.info("gateway listening", url=self.url, gateway_id=self.settings.gateway_id)
+        app = web.Application(client_max_size=self.settings.max_frame_bytes)
+        app.router.add_get(WS_PATH, self._websocket)
+        app.router.add_get(HEALTH_PATH, self._health)
+        app.router.add_get(HEALTH_ALIAS_PATH, self._health)
+        app.router.add_get(METRICS_PATH, self._metrics)
+        self._openai.add_routes(app)
+        # handler_cancellation: a client that goes away cancels its handler at
+        # once, and with it its request.
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.settings.host, self.settings.port)
+            await site.start()
+            self.port = int(runner.addresses[0][1])
+            logger.info(
+                "gateway listening",
+                url=self.url,
+                openai_base_url=f"{self.http_url}/v1",
+                gateway_id=self.settings.gateway_id,
+            )
             self.listening.set()
             await stop.wait()
-            await self._drain(server)
-        # Leaving `serve` closed every socket and awaited its handler, so every
-        # request still live has been cancelled upstream by now.
+            await self._drain(site)
+        finally:
+            # Cancels the handlers still running: their requests are cancelled upstream.
+            await runner.cleanup()
 
-    async def _drain(self, server: Server) -> None:
+    async def _drain(self, site: web.TCPSite) -> None:
         """Stop listening and refuse new requests; wait (at most the drain timeout)
         for the requests in flight and their last frames; then close every socket."""
-        # Open sockets stay open; connections still in their handshake get a 503.
-        server.close(close_connections=False)
+        # Open connections stay open; a request on one now gets a 503.
+        await site.stop()
+        self._draining = True
         self._session.start_draining()
         logger.info(
             "gateway draining",
@@ -208,48 +249,41 @@ class GatewayServer:
             num_unfinished=self._session.num_live_requests,
         )
         async with asyncio.TaskGroup() as closing:
-            for connection in server.connections:
+            for socket in list(self._websockets.values()):
                 closing.create_task(
-                    connection.close(CloseCode.GOING_AWAY, "gateway is shutting down")
+                    socket.close(code=WSCloseCode.GOING_AWAY, message=b"gateway is shutting down")
                 )
 
     def _has_unsent_work(self) -> bool:
-        """Requests in flight, or frames not yet handed to their socket."""
+        """Requests in flight, or frames not yet handed to their connection."""
         return self._session.num_live_requests > 0 or any(
-            not outbox.is_empty for outbox in self._outboxes.values()
+            not sink.outbox.is_empty for sink in self._sinks.values()
         )
 
     # --- HTTP ------------------------------------------------------------------------
 
-    async def _process_request(
-        self, connection: ServerConnection, request: Request
-    ) -> Response | None:
-        path = urlsplit(request.path).path
-        if path == HEALTH_PATH:
-            if await self._is_ready():
-                return connection.respond(HTTPStatus.OK, "ready\n")
-            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "no worker is ready\n")
-        if path != WS_PATH:
-            return connection.respond(
-                HTTPStatus.NOT_FOUND, f"not found; the endpoint is {WS_PATH}\n"
-            )
+    async def _health(self, request: web.Request) -> web.Response:
+        if await self._is_ready():
+            return web.Response(text="ready\n")
+        return web.Response(status=HTTPStatus.SERVICE_UNAVAILABLE, text="no worker is ready\n")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    def admit(self, request: web.Request) -> Admitted:
+        """Who a request or handshake is; raises HandshakeRefused (401, 403)."""
         try:
-            admitted = decide(
-                request.headers,
+            return decide(
+                Headers(list(request.headers.items())),
                 self._tenants.table,
                 open_tenant=self._open_tenant,
                 allowed_origins=self.settings.allowed_origins,
             )
         except HandshakeRefused as refused:
-            logger.info(
-                "handshake refused", status=int(refused.status), reason=refused.body.strip()
-            )
-            response = connection.respond(refused.status, refused.body)
-            if refused.challenge:
-                response.headers["WWW-Authenticate"] = 'Bearer realm="orcapod"'
-            return response
-        self._handshakes[connection] = admitted
-        return None
+            logger.info("request refused", status=int(refused.status), reason=refused.body.strip())
+            raise
 
     async def _is_ready(self) -> bool:
         """The scheduler keeps the ready key alive while at least one worker is registered."""
@@ -260,34 +294,89 @@ class GatewayServer:
             logger.warning("health check cannot reach redis", error=str(error))
             return False
 
+    # --- OpenAI requests: one virtual socket each --------------------------------------
+
+    def open_exchange(self, admitted: Admitted, exchange: Exchange) -> int:
+        socket_id = self._session.connect(admitted.tenant, admitted.key_hash)
+        self._sinks[socket_id] = exchange
+        return socket_id
+
+    async def close_exchange(self, socket_id: int) -> None:
+        del self._sinks[socket_id]
+        # Not resumable: what still runs is cancelled at once.
+        await self._apply(self._session.disconnect(socket_id, resumable=False))
+
+    async def apply(self, actions: list[Action]) -> None:
+        """Carry out the core's actions (for the OpenAI endpoint)."""
+        await self._apply(actions)
+
     # --- sockets ---------------------------------------------------------------------
 
-    async def _serve_socket(self, connection: ServerConnection) -> None:
-        admitted = self._handshakes.pop(connection)
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        if self._draining:
+            return web.Response(
+                status=HTTPStatus.SERVICE_UNAVAILABLE, text="gateway is shutting down\n"
+            )
+        try:
+            admitted = self.admit(request)
+        except HandshakeRefused as refused:
+            response = web.Response(status=refused.status, text=refused.body)
+            if refused.challenge:
+                response.headers["WWW-Authenticate"] = 'Bearer realm="orcapod"'
+            return response
+        socket = web.WebSocketResponse(
+            # `orcapod` when offered, never the `bearer.<key>` one.
+            protocols=(SUBPROTOCOL,),
+            # A frame over the limit closes its socket (1009) before it is
+            # buffered, and a compressed one is never inflated past it.
+            max_msg_size=self.settings.max_frame_bytes,
+            heartbeat=PING_INTERVAL_S,
+            timeout=CLOSE_TIMEOUT_S,
+        )
+        if not socket.can_prepare(request).ok:
+            return web.Response(
+                status=HTTPStatus.BAD_REQUEST, text=f"{WS_PATH} takes websocket handshakes\n"
+            )
+        await socket.prepare(request)
+        await self._serve_socket(socket, admitted, request.remote)
+        return socket
+
+    async def _serve_socket(
+        self, socket: web.WebSocketResponse, admitted: Admitted, remote: str | None
+    ) -> None:
         socket_id = self._session.connect(admitted.tenant, admitted.key_hash)
         outbox = Outbox(self.settings.max_outbox_bytes)
-        self._outboxes[socket_id] = outbox
-        self._connections[socket_id] = connection
+        self._sinks[socket_id] = _SocketSink(outbox)
+        self._websockets[socket_id] = socket
+        self.metrics.socket_opened()
         structlog.contextvars.bind_contextvars(socket_id=socket_id)
-        logger.debug("socket opened", remote=str(connection.remote_address))
+        logger.debug("socket opened", remote=remote)
+
+        async def send(frame: bytes) -> None:
+            await socket.send_frame(frame, WSMsgType.TEXT)
+
+        async def close_slow() -> None:
+            await _close_socket(socket, WSCloseCode.TRY_AGAIN_LATER, OVERFLOW_REASON)
+
         try:
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(outbox.write_to(connection))
-                tasks.create_task(outbox.close_on_overflow(connection))
+                tasks.create_task(outbox.write_to(send))
+                tasks.create_task(outbox.close_on_overflow(close_slow))
                 try:
-                    async for frame in connection:
-                        await self._apply(self._on_frame(socket_id, frame))
+                    async for message in socket:
+                        if message.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                            break  # an error (a frame over the limit): being closed
+                        await self._apply(self._on_frame(socket_id, message.data))
                         if outbox.overflowed:
                             break  # being closed: what it asks now would go nowhere
-                except ConnectionClosed:
-                    pass
                 finally:
                     outbox.close()  # the writer sends what is queued, then ends
         finally:
-            del self._outboxes[socket_id]
-            del self._connections[socket_id]
+            del self._sinks[socket_id]
+            del self._websockets[socket_id]
+            self.metrics.socket_closed(socket_id)
             await self._apply(self._session.disconnect(socket_id))
-            logger.debug("socket closed", code=connection.close_code)
+            logger.debug("socket closed", code=socket.close_code)
 
     def _on_frame(self, socket_id: int, frame: str | bytes) -> list[Action]:
         try:
@@ -328,14 +417,18 @@ class GatewayServer:
                 self._logs.follow(action)
 
     def _send(self, action: SendFrame) -> None:
-        outbox = self._outboxes.get(action.socket_id)
-        if outbox is None:  # the socket closed meanwhile
+        sink = self._sinks.get(action.socket_id)
+        if sink is None:  # the connection closed meanwhile
             return
-        if outbox.overflowed:
+        if sink.outbox.overflowed:
             return
-        if not outbox.put(encode_json(action.frame).encode()):
-            # The outbox closes the socket (1013); its requests detach as on any close.
-            logger.warning("socket outbox over its limit", max_bytes=self.settings.max_outbox_bytes)
+        self.metrics.on_frame(action.socket_id, action.frame, time.monotonic())
+        if not sink.put(action.frame):
+            # The outbox closes the connection (a socket with 1013); its
+            # requests detach (or, for an HTTP request, end) as on any close.
+            logger.warning(
+                "connection outbox over its limit", max_bytes=self.settings.max_outbox_bytes
+            )
 
     async def _tokenize(self, action: Tokenize) -> None:
         """One tokenizer job on a pool thread; its result goes to the core."""
@@ -405,10 +498,10 @@ class GatewayServer:
             logger.info("closing the sockets of revoked keys", num_sockets=len(revoked))
         async with asyncio.TaskGroup() as closing:
             for socket_id in revoked:
-                connection = self._connections.get(socket_id)
-                if connection is not None:
+                socket = self._websockets.get(socket_id)
+                if socket is not None:
                     closing.create_task(
-                        connection.close(CloseCode.POLICY_VIOLATION, REVOKED_REASON)
+                        _close_socket(socket, WSCloseCode.POLICY_VIOLATION, REVOKED_REASON)
                     )
 
     async def _heartbeat(self) -> None:
@@ -431,10 +524,39 @@ class GatewayServer:
             logger.warning("could not remove the heartbeat key", error=str(error))
 
 
-def _select_subprotocol(
-    connection: ServerConnection, offered: Sequence[Subprotocol]
-) -> Subprotocol | None:
-    return select_subprotocol(offered)
+class _FrameSink(Protocol):
+    """Where the core's frames for one socket go."""
+
+    @property
+    def outbox(self) -> Outbox: ...
+
+    def put(self, frame: ServerFrame) -> bool:
+        """Queue ``frame``; False once the outbox is over its cap."""
+        ...
+
+
+class _SocketSink:
+    """A websocket's frames: their JSON text, in its outbox."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+
+    def put(self, frame: ServerFrame) -> bool:
+        return self.outbox.put(encode_json(frame).encode())
+
+
+async def _close_socket(socket: web.WebSocketResponse, code: int, reason: str) -> None:
+    """Close with ``code``; a peer that reads nothing cannot hold the close up."""
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            await socket.close(code=code, message=reason.encode())
+    except (TimeoutError, ConnectionError):
+        pass
+
+
+def served_model_name(model_dir: Path) -> str:
+    """The name ``/v1/models`` lists and requests name: the model directory's."""
+    return Path(model_dir).name
 
 
 async def _wait_any(*events: asyncio.Event) -> None:

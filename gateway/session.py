@@ -149,15 +149,17 @@ class GatewaySession:
         name it by."""
         return self.table.open_socket(tenant or Tenant(name=self.config.tenant), key_hash)
 
-    def disconnect(self, socket_id: int) -> list[Action]:
+    def disconnect(self, socket_id: int, *, resumable: bool = True) -> list[Action]:
         """A socket closed: its live requests keep running for ``detach_grace_s``,
         waiting for a ``resume`` (``on_tick`` cancels them after that); with no
-        grace, or while draining, they are cancelled upstream at once (their
-        log stays for resume either way). Prompts still being tokenized are dropped."""
+        grace, while draining, or for a client that cannot resume (an HTTP
+        request: ``resumable`` False), they are cancelled upstream at once
+        (their log stays for resume either way). Prompts still being tokenized
+        are dropped."""
         self.table.expire()
         streams, _ = self.table.close_socket(socket_id)
         now_s = self._clock()
-        if self.config.detach_grace_s > 0 and not self._admission.draining:
+        if resumable and self.config.detach_grace_s > 0 and not self._admission.draining:
             deadline_s = now_s + self.config.detach_grace_s
             for stream in streams:
                 self.table.detach_later(stream.request_id, deadline_s)
@@ -227,6 +229,13 @@ class GatewaySession:
         if isinstance(message, Cancel):
             return self._cancel(socket_id, message)
         return self._resume(socket_id, message)
+
+    def on_generate(self, socket_id: int, generate: Generate) -> list[Action]:
+        """A ``generate`` that came in another form than a frame (an OpenAI
+        request, translated by ``gateway/openai_api.py``): checked, admitted
+        and answered exactly as the frame would be."""
+        self.table.expire()
+        return self._generate(socket_id, generate)
 
     # --- a generate: checked, tokenized off the loop, then submitted -----------------
 
