@@ -37,6 +37,8 @@ class Tokenize:
 
     request_id: str
     generate: Generate
+    # The most a null max_tokens resolves to (the tenant's max_tokens_per_request).
+    max_tokens_cap: int | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ the server selects. Pure: headers in, a tenant or a refusal out.
 
 A key comes as ``Authorization: Bearer <key>`` or, where a browser cannot set
 headers, as the subprotocols ``["orcapod", "bearer.<key>"]`` (the server then
-selects ``orcapod``, never the one holding the key). The open tenant exists
+selects ``orcapod``, never the one holding the key: ``SUBPROTOCOL`` is the
+only one the server offers). The open tenant exists
 only when the gateway decided so at start (``open_tenant``); keys that go
 away later never open the gateway.
 """
@@ -137,9 +138,3 @@ def offered_subprotocols(headers: Headers) -> list[Subprotocol]:
         except InvalidHeader:
             return []
     return offered
-
-
-def select_subprotocol(offered: Sequence[Subprotocol]) -> Subprotocol | None:
-    """``orcapod`` when offered: a browser that sent its key as ``bearer.<key>``
-    needs one subprotocol selected, and never the one that holds the key."""
-    return Subprotocol(SUBPROTOCOL) if SUBPROTOCOL in offered else None

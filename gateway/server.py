@@ -23,7 +23,6 @@ from typing import Protocol
 
 import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import AuthenticationError, RedisError
 from websockets.datastructures import Headers
 
@@ -53,6 +52,7 @@ from gateway.upstream import UpstreamWriter
 from gateway.validation import ModelLimits, RequestValidationError
 from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set
 from shared.keys import RedisKeys
+from shared.metrics_http import METRICS_PATH, metrics_handler
 from shared.protocol import Error, encode_json
 from shared.redis_streams import connect, reconnect_backoff_s
 from shared.settings import GatewaySettings
@@ -63,7 +63,6 @@ WS_PATH = "/ws"
 HEALTH_PATH = "/healthz"
 # vLLM's and llama.cpp's name for the same check.
 HEALTH_ALIAS_PATH = "/health"
-METRICS_PATH = "/metrics"
 # A ping every so often; a socket whose pong does not come within half of it closes.
 PING_INTERVAL_S = 20.0
 # How long a closing socket waits for the client's close frame.
@@ -196,7 +195,7 @@ class GatewayServer:
         app.router.add_get(WS_PATH, self._websocket)
         app.router.add_get(HEALTH_PATH, self._health)
         app.router.add_get(HEALTH_ALIAS_PATH, self._health)
-        app.router.add_get(METRICS_PATH, self._metrics)
+        app.router.add_get(METRICS_PATH, metrics_handler(self.metrics.registry))
         self._openai.add_routes(app)
         # handler_cancellation: a client that goes away cancels its handler at
         # once, and with it its request.
@@ -266,11 +265,6 @@ class GatewayServer:
         if await self._is_ready():
             return web.Response(text="ready\n")
         return web.Response(status=HTTPStatus.SERVICE_UNAVAILABLE, text="no worker is ready\n")
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.metrics.registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
 
     def admit(self, request: web.Request) -> Admitted:
         """Who a request or handshake is; raises HandshakeRefused (401, 403)."""
@@ -433,7 +427,7 @@ class GatewayServer:
     async def _tokenize(self, action: Tokenize) -> None:
         """One tokenizer job on a pool thread; its result goes to the core."""
         try:
-            validated = await self._pool.tokenize(action.generate)
+            validated = await self._pool.tokenize(action.generate, action.max_tokens_cap)
         except RequestValidationError as error:
             actions = self._session.on_tokenize_failed(action.request_id, error.code, error.message)
         except Exception:

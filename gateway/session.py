@@ -250,7 +250,7 @@ class GatewaySession:
         request_id = self._new_request_id()
         tenant = self.table.socket(socket_id).tenant
         self.table.reserve(PendingRequest(request_id, tenant, Route(socket_id, generate.id)))
-        return [Tokenize(request_id, generate)]
+        return [Tokenize(request_id, generate, tenant.max_tokens_per_request)]
 
     def on_tokenized(
         self, request_id: str, generate: Generate, validated: ValidatedRequest

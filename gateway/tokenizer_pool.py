@@ -27,12 +27,19 @@ class TokenizerPool:
             max_workers=num_threads, thread_name_prefix="gateway-tokenize"
         )
 
-    async def tokenize(self, generate: Generate) -> ValidatedRequest:
+    async def tokenize(
+        self, generate: Generate, max_tokens_cap: int | None = None
+    ) -> ValidatedRequest:
         """The tokenized request, computed on a pool thread; raises
         RequestValidationError like ``tokenize_generate``."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._executor, tokenize_generate, generate, self._tokenizer, self._limits
+            self._executor,
+            tokenize_generate,
+            generate,
+            self._tokenizer,
+            self._limits,
+            max_tokens_cap,
         )
 
     def close(self) -> None:

@@ -100,7 +100,10 @@ def check_generate(generate: Generate, limits: ModelLimits) -> None:
 
 
 def tokenize_generate(
-    generate: Generate, tokenizer: ChatTokenizer, limits: ModelLimits
+    generate: Generate,
+    tokenizer: ChatTokenizer,
+    limits: ModelLimits,
+    max_tokens_cap: int | None = None,
 ) -> ValidatedRequest:
     """Render and tokenize the prompt of a ``generate`` that passed :func:`check_generate`,
     check it fits the context and settle max_tokens (a ``null`` one takes what the
@@ -112,7 +115,7 @@ def tokenize_generate(
     prompt_ids = _prompt_ids(generate, tokenizer)
     if not prompt_ids:
         raise RequestValidationError("invalid_request", "the prompt is empty")
-    max_tokens = _resolve_max_tokens(generate, len(prompt_ids), limits)
+    max_tokens = _resolve_max_tokens(generate, len(prompt_ids), limits, max_tokens_cap)
     sampling = SamplingParams(
         # + 0.0 makes -0.0 plain 0.0 (greedy): no sampler has to know a signed zero.
         temperature=generate.temperature + 0.0,
@@ -130,10 +133,13 @@ def tokenize_generate(
     return ValidatedRequest(prompt_ids=prompt_ids, sampling=sampling)
 
 
-def _resolve_max_tokens(generate: Generate, num_prompt_tokens: int, limits: ModelLimits) -> int:
+def _resolve_max_tokens(
+    generate: Generate, num_prompt_tokens: int, limits: ModelLimits, cap: int | None
+) -> int:
     """The max_tokens a request of ``num_prompt_tokens`` runs with: its own, or for
-    ``null`` all the context leaves beside the prompt up to ``max_tokens_limit``;
-    raises ``prompt_too_long`` when that does not fit (or is below min_tokens)."""
+    ``null`` all the context leaves beside the prompt up to ``max_tokens_limit``
+    (and ``cap``, its tenant's limit); raises ``prompt_too_long`` when that does
+    not fit (or is below min_tokens)."""
     room = limits.context_tokens - num_prompt_tokens
     if generate.max_tokens is not None:
         if generate.max_tokens > room:
@@ -152,7 +158,7 @@ def _resolve_max_tokens(generate: Generate, num_prompt_tokens: int, limits: Mode
             f"{max(room, 0)} more in the model's context of {limits.context_tokens}; "
             f"the request generates at least {max(generate.min_tokens, 1)}",
         )
-    return min(room, limits.max_tokens_limit)
+    return min(room, limits.max_tokens_limit, limits.max_tokens_limit if cap is None else cap)
 
 
 def _invalid(message: str) -> RequestValidationError:

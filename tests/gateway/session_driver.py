@@ -43,7 +43,10 @@ class InlineTokenizingSession(GatewaySession):
                 continue
             try:
                 validated = tokenize_generate(
-                    action.generate, self._test_tokenizer, self._test_limits
+                    action.generate,
+                    self._test_tokenizer,
+                    self._test_limits,
+                    action.max_tokens_cap,
                 )
             except RequestValidationError as error:
                 done += self.on_tokenize_failed(action.request_id, error.code, error.message)

@@ -173,3 +173,8 @@ def test_a_null_max_tokens_is_settled_before_it_is_reserved_and_submitted(
     [refused] = frames(session.on_frame(capped, frame))
     assert isinstance(refused, Error) and refused.code == "invalid_request"
     assert "min_tokens 501" in refused.message and "500" in refused.message
+    # ...and a null max_tokens resolves to no more than the tenant's cap.
+    frame = generate_frame("c", max_tokens=None)
+    [post] = [a for a in session.on_frame(capped, frame) if isinstance(a, PostUpstream)]
+    assert isinstance(post.message, SubmitRequest)
+    assert post.message.sampling.max_tokens == 500
