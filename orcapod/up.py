@@ -341,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                 ready = True
                 print("orcapod is ready:", flush=True)
                 for i in range(args.gateways):
+                    root = f"http://{args.host}:{args.port + i}"
                     print(
-                        f"  ws://{args.host}:{args.port + i}/ws   (healthz: "
-                        f"http://{args.host}:{args.port + i}/healthz)",
+                        f"  ws://{args.host}:{args.port + i}/ws   OpenAI API: {root}/v1   "
+                        f"(health: {root}/health)",
                         flush=True,
                     )
                 print(f"  policy {args.policy}, {args.workers} worker(s), model {model_dir}")
