@@ -1,4 +1,5 @@
-"""``python -m gateway``: run one websocket gateway until SIGINT or SIGTERM.
+"""``python -m gateway``: run one gateway (the websocket protocol and the OpenAI
+API on one port) until SIGINT or SIGTERM.
 
 SIGHUP re-reads the tenants file and hash at once. Exit status 2: a broken
 tenants file, or a non-loopback ``--host`` with no API key configured.
@@ -37,7 +38,8 @@ DEFAULTS = GatewaySettings(redis=redis_settings(), model=model_location(), gatew
 def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
     """Settings from flags, then the environment (via shared.settings), then defaults."""
     parser = argparse.ArgumentParser(
-        prog="python -m gateway", description="orcapod's websocket gateway"
+        prog="python -m gateway",
+        description="orcapod's gateway: the websocket protocol and the OpenAI API on one port",
     )
     parser.add_argument("--host", default=DEFAULTS.host)
     parser.add_argument("--port", type=int, default=DEFAULTS.port, help="0 picks a free port")

@@ -118,31 +118,32 @@ class MessageIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class _SamplingFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What both endpoints take."""
+    """What both endpoints take; ``null`` is the default for every field, as
+    clients that send every field they know expect."""
 
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions, at the top level as vLLM takes them.
     top_k: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, frozen=True, forbid_unknown_fields=True):
     messages: list[MessageIn] = []
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -154,7 +155,7 @@ class CompletionRequest(_SamplingFields, frozen=True, forbid_unknown_fields=True
     prompt: str | list[Any] | None = None
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -286,10 +287,10 @@ def _generate(
             param="model",
             code="model_not_found",
         )
-    if request.n != 1:
+    if request.n not in (None, 1):
         raise invalid("n must be 1 (one choice per request)", "n")
     for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(request, name) != 0:
+        if getattr(request, name) not in (None, 0):
             raise invalid(f"{name} is not supported by this server (only 0)", name)
     if request.logit_bias:
         raise invalid("logit_bias is not supported by this server", "logit_bias")
@@ -304,8 +305,8 @@ def _generate(
         top_k=top_k,
         seed=request.seed,
         stop=stop,
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
+        ignore_eos=bool(request.ignore_eos),
+        min_tokens=request.min_tokens or 0,
         **prompt,
     )
 
@@ -314,7 +315,7 @@ def _parsed(kind: Kind, request: _SamplingFields, generate: Generate) -> ParsedR
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
-    return ParsedRequest(kind, generate, request.stream, include_usage)
+    return ParsedRequest(kind, generate, bool(request.stream), include_usage)
 
 
 # --- responses -----------------------------------------------------------------------

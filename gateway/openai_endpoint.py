@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Protocol
 
@@ -41,6 +41,7 @@ from shared.protocol import Accepted, Done, Error, Token
 
 logger = structlog.get_logger(__name__)
 
+API_PREFIX = "/v1/"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
@@ -163,6 +164,7 @@ class OpenAIEndpoint:
         app.router.add_post(CHAT_PATH, self.chat_completions)
         app.router.add_post(COMPLETIONS_PATH, self.completions)
         app.router.add_get(MODELS_PATH, self.models)
+        app.middlewares.append(openai_shaped_http_errors)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -246,6 +248,22 @@ class OpenAIEndpoint:
             return await request.read()
         except web.HTTPRequestEntityTooLarge as error:
             raise _too_large(self._max_body_bytes) from error
+
+
+@web.middleware
+async def openai_shaped_http_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Under ``/v1``, aiohttp's own refusals (no such route, a wrong method)
+    in OpenAI's shape too, so every client there parses every error."""
+    try:
+        return await handler(request)
+    except web.HTTPException as refused:
+        if not request.path.startswith(API_PREFIX) or refused.status < 400:
+            raise
+        status = HTTPStatus(refused.status)
+        message = f"{request.method} {request.path}: {status.phrase.lower()}"
+        return error_response(OpenAIError(status, message))
 
 
 def _too_large(limit: int) -> OpenAIError:

@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("orcapod.up:main", "start the whole service (redis, scheduler, workers, gateways)"),
     "chat": ("orcapod.chat:main", "chat with a running orcapod in the terminal"),
     "bench": ("orcapod.bench:main", "benchmark a running orcapod (compare: all policies)"),
-    "gateway": ("gateway.__main__:main", "run one websocket gateway against REDIS_URL"),
+    "gateway": ("gateway.__main__:main", "run one gateway (websocket, OpenAI API) on REDIS_URL"),
     "tenants": ("gateway.tenants_cli:main", "API keys of tenants: hash-key, add-key, list, revoke"),
     "scheduler": ("scheduler_actor.__main__:main", "run the scheduler against REDIS_URL"),
     "worker": ("gpu_worker.__main__:main", "run one GPU worker against REDIS_URL"),

@@ -207,6 +207,15 @@ def test_bad_bodies_get_openai_errors_and_the_gateway_goes_on(
         # A body over the limit (the websocket's frame limit) is refused unread.
         status, reply = await post(server, "/v1/completions", b"{" + b" " * (64 << 10) + b"}")
         assert status == 413 and reply["error"]["code"] == "request_too_large"
+        # aiohttp's own refusals under /v1 have OpenAI's shape too.
+        async with aiohttp.ClientSession() as session:
+            for method, path, expected in (
+                ("GET", "/v1/chat/completions", 405),
+                ("POST", "/v1/nothing", 404),
+            ):
+                async with session.request(method, f"{server.http_url}{path}") as response:
+                    assert response.status == expected
+                    assert (await response.json())["error"]["message"]
         # Completions' own forms.
         for body in ({"prompt": [["a"]]}, {"prompt": [True, 2]}, {"prompt": ["a", "b"]}, {}):
             status, reply = await post(server, "/v1/completions", body)

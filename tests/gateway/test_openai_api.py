@@ -1,0 +1,229 @@
+"""OpenAI's bodies in orcapod's terms and orcapod's frames in OpenAI's, pure."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+import pytest
+
+from gateway.openai_api import (
+    SSE_DONE,
+    OpenAIError,
+    Reply,
+    error_of_code,
+    parse_chat,
+    parse_completion,
+)
+from shared.protocol import ChatMessage, Done, Timings, Usage
+
+MODEL = "m"
+
+
+def chat(**fields: Any) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def test_chat_fields_map_onto_a_generate() -> None:
+    parsed = parse_chat(
+        chat(
+            model=MODEL,
+            max_completion_tokens=9,
+            max_tokens=3,
+            temperature=0,
+            top_p=0.5,
+            seed=4,
+            stop="END",
+            top_k=-1,
+            min_tokens=2,
+            ignore_eos=True,
+            user="someone",
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        MODEL,
+    )
+    generate = parsed.generate
+    assert (generate.max_tokens, generate.temperature, generate.top_p) == (9, 0, 0.5)
+    assert (generate.seed, generate.stop, generate.top_k) == (4, ["END"], 0)
+    assert (generate.min_tokens, generate.ignore_eos) == (2, True)
+    assert parsed.stream and parsed.include_usage and parsed.kind == "chat"
+
+
+def test_chat_defaults_are_openais() -> None:
+    generate = parse_chat(chat(), MODEL).generate
+    # No max_tokens: what the context leaves (resolved after tokenizing).
+    assert generate.max_tokens is None
+    assert (generate.temperature, generate.top_p, generate.top_k) == (1.0, 1.0, 0)
+    assert generate.stop == []
+
+
+def test_content_parts_and_roles() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": parts},
+        ]
+    }
+    generate = parse_chat(json.dumps(body).encode(), MODEL).generate
+    assert generate.messages == [
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content="ab"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (chat(n=2), HTTPStatus.BAD_REQUEST, "n"),
+        (chat(logprobs=True), HTTPStatus.BAD_REQUEST, "logprobs"),
+        (chat(top_logprobs=2), HTTPStatus.BAD_REQUEST, "logprobs"),
+        (chat(frequency_penalty=1), HTTPStatus.BAD_REQUEST, "frequency_penalty"),
+        (chat(logit_bias={"1": 5}), HTTPStatus.BAD_REQUEST, "logit_bias"),
+        (chat(response_format={"type": "json_object"}), HTTPStatus.BAD_REQUEST, "response_format"),
+        (chat(tool_choice="required"), HTTPStatus.BAD_REQUEST, "tool_choice"),
+        (chat(model="other"), HTTPStatus.NOT_FOUND, "model"),
+        (chat(temperature="1"), HTTPStatus.BAD_REQUEST, "temperature"),
+        (chat(stream_options={"include_usage": True}), HTTPStatus.BAD_REQUEST, "stream_options"),
+        (chat(stream=True, stream_options={"x": 1}), HTTPStatus.BAD_REQUEST, "stream_options"),
+        (b'{"messages": [{"role": "user"}]}', HTTPStatus.BAD_REQUEST, "messages[0].content"),
+        (b'{"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}',
+         HTTPStatus.BAD_REQUEST, "messages[0].tool_calls"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
+         HTTPStatus.BAD_REQUEST, "messages[0].content[0]"),
+        (b"{}", HTTPStatus.BAD_REQUEST, "messages"),
+        (b"   ", HTTPStatus.BAD_REQUEST, None),
+        (b"[" * 50_000, HTTPStatus.BAD_REQUEST, None),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_honoured_is_refused(
+    body: bytes, status: HTTPStatus, param: str | None
+) -> None:
+    with pytest.raises(OpenAIError) as refused:
+        parse_chat(body, MODEL)
+    assert refused.value.status == status
+    assert refused.value.param == param
+    error = json.loads(refused.value.body())["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "ids"),
+    [("hi", "hi", None), (["hi"], "hi", None), ([1, 2], None, [1, 2]), ([[3, 4]], None, [3, 4])],
+)
+def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] | None) -> None:
+    generate = parse_completion(json.dumps({"prompt": prompt}).encode(), MODEL).generate
+    assert (generate.prompt, generate.prompt_token_ids) == (text, ids)
+    assert generate.max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": ["a", "b"]},
+        {"prompt": [[1], [2]]},
+        {"prompt": [True]},
+        {"prompt": []},
+        {"prompt": [["a"]]},
+        {"prompt": "x", "echo": True},
+        {"prompt": "x", "logprobs": 1},
+        {"prompt": "x", "best_of": 2},
+        {"prompt": "x", "suffix": "y"},
+    ],
+)
+def test_completion_refusals(body: dict[str, Any]) -> None:
+    with pytest.raises(OpenAIError) as refused:
+        parse_completion(json.dumps(body).encode(), MODEL)
+    assert refused.value.status == HTTPStatus.BAD_REQUEST
+
+
+def test_codes_map_to_statuses() -> None:
+    statuses = {
+        "invalid_request": 400,
+        "prompt_too_long": 400,
+        "unauthorized": 401,
+        "queue_full": 429,
+        "internal": 500,
+    }
+    for code, status in statuses.items():
+        assert error_of_code(code, "m").status == status  # type: ignore[arg-type]
+    assert error_of_code("prompt_too_long", "m").code == "context_length_exceeded"
+
+
+DONE = Done(id="http", finish_reason="stop", usage=Usage(3, 2), timings=Timings(1.0, 2.0))
+
+
+def events(data: bytes) -> list[Any]:
+    chunks = data.decode().split("\n\n")
+    assert chunks[-1] == ""
+    return [c.removeprefix("data: ") for c in chunks[:-1]]
+
+
+def test_a_streamed_chat_reply() -> None:
+    parsed = parse_chat(chat(stream=True, stream_options={"include_usage": True}), MODEL)
+    reply = Reply(parsed, MODEL, "r1", created=5)
+    data = reply.head() + reply.token("He") + reply.token("") + reply.token("y") + reply.done(DONE)
+    *chunks, last = events(data)
+    assert last == "[DONE]"
+    decoded = [json.loads(chunk) for chunk in chunks]
+    assert {d["id"] for d in decoded} == {"chatcmpl-r1"}
+    assert {d["object"] for d in decoded} == {"chat.completion.chunk"}
+    assert decoded[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [d["choices"][0]["delta"].get("content") for d in decoded[1:3]] == ["He", "y"]
+    assert decoded[3]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    assert all(d["usage"] is None for d in decoded[:4])
+    assert decoded[4]["choices"] == [] and decoded[4]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+    }
+    error = OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "boom", type="server_error")
+    assert events(reply.stream_error(error))[-1] == "[DONE]"
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_whole_replies() -> None:
+    reply = Reply(parse_chat(chat(), MODEL), MODEL, "r2", created=5)
+    reply.token("Hel")
+    reply.token("lo")
+    body = json.loads(reply.done(DONE))
+    assert body["object"] == "chat.completion" and body["created"] == 5
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert body["usage"]["total_tokens"] == 5
+    text = Reply(parse_completion(b'{"prompt": "x"}', MODEL), MODEL, "r3", created=5)
+    text.token("ok")
+    cancelled = Done("http", "cancelled", Usage(1, 1), Timings(None, 1.0))
+    body = json.loads(text.done(cancelled))
+    assert body["id"] == "cmpl-r3" and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == "ok" and body["choices"][0]["finish_reason"] == "abort"
+    # A streamed completion has no usage field unless asked for.
+    streamed = Reply(parse_completion(b'{"prompt": "x", "stream": true}', MODEL), MODEL, "r4")
+    assert streamed.head() == b""
+    chunk = json.loads(events(streamed.token("a"))[0])
+    assert "usage" not in chunk and chunk["choices"][0]["text"] == "a"
+
+
+def test_null_is_every_fields_default() -> None:
+    nulls = dict.fromkeys(
+        ["model", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+         "frequency_penalty", "presence_penalty", "logit_bias", "user", "top_k", "ignore_eos",
+         "min_tokens", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+         "tools", "tool_choice", "parallel_tool_calls", "response_format"]
+    )  # fmt: skip
+    parsed = parse_chat(chat(**nulls), MODEL)
+    assert parsed.generate == parse_chat(chat(), MODEL).generate
+    assert not parsed.stream
