@@ -56,6 +56,11 @@ class RedisKeys:
         return f"{self.prefix}:stats"
 
     @property
+    def live_stats(self) -> str:
+        """Key with a TTL: the scheduler's live view (shared/live_stats.py), for the dashboard."""
+        return f"{self.prefix}:live"
+
+    @property
     def tenants(self) -> str:
         """Hash: sha256 hex of an API key -> MessagePack Tenant (gateway/tenants.py)."""
         return f"{self.prefix}:tenants"
