@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
 from typing import Protocol
@@ -37,7 +37,9 @@ from gateway.actions import (
     Tokenize,
 )
 from gateway.admission import AdmissionLimits
+from gateway.dashboard import Pseudonyms, unavailable_frame, view_frame
 from gateway.handshake import SUBPROTOCOL, Admitted, HandshakeRefused, decide
+from gateway.live_feed import LiveFeed
 from gateway.log_reader import LogReader
 from gateway.metrics import GatewayMetrics
 from gateway.openai_endpoint import Exchange, OpenAIEndpoint
@@ -50,7 +52,7 @@ from gateway.tokenizer import ChatTokenizer
 from gateway.tokenizer_pool import TokenizerPool
 from gateway.upstream import UpstreamWriter
 from gateway.validation import ModelLimits, RequestValidationError
-from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set
+from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set, wait_any
 from shared.keys import RedisKeys
 from shared.metrics_http import METRICS_PATH, metrics_handler
 from shared.protocol import Error, encode_json
@@ -60,6 +62,19 @@ from shared.settings import GatewaySettings
 logger = structlog.get_logger(__name__)
 
 WS_PATH = "/ws"
+DASHBOARD_WS_PATH = "/dashboard/ws"
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+# The pages run only their own scripts, talk only to this gateway, and are never framed.
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+# A dashboard socket says nothing; what it sends is only read to notice its close.
+DASHBOARD_MAX_FRAME_BYTES = 1024
 HEALTH_PATH = "/healthz"
 # vLLM's and llama.cpp's name for the same check.
 HEALTH_ALIAS_PATH = "/health"
@@ -115,6 +130,10 @@ class GatewayServer:
         # an OpenAI request's exchange (a virtual socket of its own).
         self._sinks: dict[int, _FrameSink] = {}
         self._websockets: dict[int, web.WebSocketResponse] = {}
+        # Open dashboard sockets, with the hash of the key each presented.
+        self._dashboards: dict[web.WebSocketResponse, str | None] = {}
+        self._live = LiveFeed(self._redis, self._keys.live_stats)
+        self._pseudonyms = Pseudonyms()
         self._draining = False
         self.metrics = GatewayMetrics(settings.gateway_id)
         self._openai = OpenAIEndpoint(
@@ -177,10 +196,11 @@ class GatewayServer:
                 tasks.create_task(self._heartbeat(), name="gateway-heartbeat")
                 tasks.create_task(self._watch_tenants(), name="gateway-tenants")
                 tasks.create_task(self._logs.follow_until(self._readers_stop), name="gateway-logs")
+                tasks.create_task(self._live.poll_until(self._readers_stop), name="gateway-live")
                 try:
                     # Serve only once tokens can reach us: a request accepted
                     # before the SUBSCRIBE is in place could lose its first tokens.
-                    await _wait_any(self._channel.subscribed, stop)
+                    await wait_any(self._channel.subscribed, stop)
                     if not stop.is_set():
                         await self._serve(stop)
                 finally:
@@ -193,6 +213,10 @@ class GatewayServer:
     async def _serve(self, stop: asyncio.Event) -> None:
         app = web.Application(client_max_size=self.settings.max_frame_bytes)
         app.router.add_get(WS_PATH, self._websocket)
+        app.router.add_get(DASHBOARD_WS_PATH, self._dashboard_socket)
+        app.router.add_get("/", _page("chat.html"))
+        app.router.add_get("/dashboard", _page("dashboard.html"))
+        app.router.add_static("/static", STATIC_DIR, follow_symlinks=False)
         app.router.add_get(HEALTH_PATH, self._health)
         app.router.add_get(HEALTH_ALIAS_PATH, self._health)
         app.router.add_get(METRICS_PATH, metrics_handler(self.metrics.registry))
@@ -248,7 +272,7 @@ class GatewayServer:
             num_unfinished=self._session.num_live_requests,
         )
         async with asyncio.TaskGroup() as closing:
-            for socket in list(self._websockets.values()):
+            for socket in [*self._websockets.values(), *self._dashboards]:
                 closing.create_task(
                     socket.close(code=WSCloseCode.GOING_AWAY, message=b"gateway is shutting down")
                 )
@@ -307,6 +331,17 @@ class GatewayServer:
     # --- sockets ---------------------------------------------------------------------
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        opened = await self._open_socket(request, self.settings.max_frame_bytes)
+        if isinstance(opened, web.Response):
+            return opened
+        socket, admitted = opened
+        await self._serve_socket(socket, admitted, request.remote)
+        return socket
+
+    async def _open_socket(
+        self, request: web.Request, max_frame_bytes: int
+    ) -> tuple[web.WebSocketResponse, Admitted] | web.Response:
+        """The handshake of ``/ws`` and ``/dashboard/ws``: the socket, or the refusal."""
         if self._draining:
             return web.Response(
                 status=HTTPStatus.SERVICE_UNAVAILABLE, text="gateway is shutting down\n"
@@ -323,17 +358,48 @@ class GatewayServer:
             protocols=(SUBPROTOCOL,),
             # A frame over the limit closes its socket (1009) before it is
             # buffered, and a compressed one is never inflated past it.
-            max_msg_size=self.settings.max_frame_bytes,
+            max_msg_size=max_frame_bytes,
             heartbeat=PING_INTERVAL_S,
             timeout=CLOSE_TIMEOUT_S,
         )
         if not socket.can_prepare(request).ok:
             return web.Response(
-                status=HTTPStatus.BAD_REQUEST, text=f"{WS_PATH} takes websocket handshakes\n"
+                status=HTTPStatus.BAD_REQUEST, text=f"{request.path} takes websocket handshakes\n"
             )
         await socket.prepare(request)
-        await self._serve_socket(socket, admitted, request.remote)
+        return socket, admitted
+
+    async def _dashboard_socket(self, request: web.Request) -> web.StreamResponse:
+        opened = await self._open_socket(request, DASHBOARD_MAX_FRAME_BYTES)
+        if isinstance(opened, web.Response):
+            return opened
+        socket, admitted = opened
+        self._dashboards[socket] = admitted.key_hash
+        try:
+            with self._live.watching():
+                async with asyncio.TaskGroup() as tasks:
+                    writer = tasks.create_task(self._feed_dashboard(socket, admitted))
+                    async for _ in socket:
+                        pass  # nothing to say: reading notices the close
+                    writer.cancel()
+        finally:
+            del self._dashboards[socket]
         return socket
+
+    async def _feed_dashboard(self, socket: web.WebSocketResponse, admitted: Admitted) -> None:
+        """Each new snapshot, as this viewer may see it, until the socket closes."""
+        version = 0
+        viewer, operator = admitted.tenant.name, admitted.tenant.operator
+        while not socket.closed:
+            version, snapshot = await self._live.next(version)
+            if snapshot is None:
+                frame = unavailable_frame()
+            else:
+                frame = view_frame(snapshot, viewer, operator, self._pseudonyms)
+            try:
+                await socket.send_frame(frame, WSMsgType.TEXT)
+            except ConnectionError:
+                return
 
     async def _serve_socket(
         self, socket: web.WebSocketResponse, admitted: Admitted, remote: str | None
@@ -476,7 +542,7 @@ class GatewayServer:
         while not self._readers_stop.is_set():
             try:
                 async with asyncio.timeout(self.settings.tenants_reload_s):
-                    await _wait_any(self._tenants_reload, self._readers_stop)
+                    await wait_any(self._tenants_reload, self._readers_stop)
             except TimeoutError:
                 pass
             if self._readers_stop.is_set():
@@ -487,12 +553,18 @@ class GatewayServer:
                 await self._close_revoked()
 
     async def _close_revoked(self) -> None:
-        revoked = self._session.table.sockets_without_key(self._tenants.table.by_hash.keys())
+        valid = self._tenants.table.by_hash.keys()
+        revoked = self._session.table.sockets_without_key(valid)
         if revoked:
             logger.info("closing the sockets of revoked keys", num_sockets=len(revoked))
+        dashboards = [
+            socket
+            for socket, key_hash in self._dashboards.items()
+            if key_hash is not None and key_hash not in valid
+        ]
         async with asyncio.TaskGroup() as closing:
-            for socket_id in revoked:
-                socket = self._websockets.get(socket_id)
+            sockets = [self._websockets.get(socket_id) for socket_id in revoked]
+            for socket in [*dashboards, *sockets]:
                 if socket is not None:
                     closing.create_task(
                         _close_socket(socket, WSCloseCode.POLICY_VIOLATION, REVOKED_REASON)
@@ -548,15 +620,19 @@ async def _close_socket(socket: web.WebSocketResponse, code: int, reason: str) -
         pass
 
 
+def _page(name: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A handler serving one page of ``gateway/static`` with the pages' headers.
+
+    The page holds no data: what it shows comes over its websocket, which
+    asks for the API key as every socket does."""
+    path = STATIC_DIR / name
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(path, headers=PAGE_HEADERS)
+
+    return serve
+
+
 def served_model_name(model_dir: Path) -> str:
     """The name ``/v1/models`` lists and requests name: the model directory's."""
     return Path(model_dir).name
-
-
-async def _wait_any(*events: asyncio.Event) -> None:
-    """Return once any of ``events`` is set."""
-    async with asyncio.TaskGroup() as tasks:
-        waits = [tasks.create_task(event.wait()) for event in events]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for wait in waits:
-            wait.cancel()

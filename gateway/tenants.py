@@ -11,6 +11,7 @@ reads them, this module parses, merges and looks up. The TOML file::
     max_in_flight = 8             # requests on workers at once; the rest wait
     max_tokens_per_request = 1024 # a larger max_tokens is an invalid_request
     tokens_per_minute = 200000    # prompt + max_tokens reserved, over all gateways
+    operator = true               # its keys see every tenant's name on /dashboard
     key_sha256 = ["<sha256 hex of a key>", ...]
 
 How a handshake presents its key, and when the open tenant ``default``
@@ -60,6 +61,9 @@ class TenantQuotas(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_in_flight: PositiveInt | None = None
     max_tokens_per_request: PositiveInt | None = None
     tokens_per_minute: PositiveInt | None = None
+    # An operator's keys see every tenant's name on the dashboard; everyone
+    # else sees their own and "tenant 2", "tenant 3"... for the others.
+    operator: bool = False
 
 
 class Tenant(TenantQuotas, frozen=True, kw_only=True):
@@ -171,6 +175,7 @@ def parse_tenants_toml(text: str, source: str = "tenants file") -> TenantTable:
             max_in_flight=entry.max_in_flight,
             max_tokens_per_request=entry.max_tokens_per_request,
             tokens_per_minute=entry.tokens_per_minute,
+            operator=entry.operator,
         )
         for digest in entry.key_sha256:
             digest = digest.lower()
@@ -191,6 +196,8 @@ def tenant_toml(tenant: Tenant, key_hashes: Iterable[str]) -> str:
         value = getattr(tenant, field)
         if value is not None:
             lines.append(f"{field} = {value}")
+    if tenant.operator:
+        lines.append("operator = true")
     lines.append("key_sha256 = [" + ", ".join(f'"{h}"' for h in key_hashes) + "]")
     return "\n".join(lines) + "\n"
 

@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     for field in QUOTA_FIELDS:
         add.add_argument(f"--{field.replace('_', '-')}", type=int, dest=field)
     add.add_argument(
+        "--operator",
+        action="store_true",
+        help="its keys see every tenant's name on the dashboard",
+    )
+    add.add_argument(
         "--toml", action="store_true", help="print a tenants-file section instead of using Redis"
     )
     add_redis_arguments(add)
@@ -100,7 +105,10 @@ def _tenant(args: argparse.Namespace, current: Tenant | None) -> Tenant:
     weight = args.weight if args.weight is not None else (current.weight if current else 1.0)
     try:
         # Converted, not constructed: the same checks as when a gateway reads it.
-        return msgspec.convert({"name": args.tenant, "weight": weight, **values}, Tenant)
+        operator = args.operator or (current.operator if current else False)
+        return msgspec.convert(
+            {"name": args.tenant, "weight": weight, "operator": operator, **values}, Tenant
+        )
     except msgspec.ValidationError as error:
         raise TenantConfigError(str(error)) from error
 
