@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                     scheduler_metrics_port, worker_metrics_ports, args.host, gateway_ports
                 ):
                     print(line)
+                page = f"http://{args.host}:{args.port}"
+                print(f"  chat in the browser: {page}/   the scheduler, live: {page}/dashboard")
                 print(
                     "  chat with: orcapod chat --url "
                     f"ws://{args.host}:{args.port}/ws   (Ctrl-C here stops everything)",
