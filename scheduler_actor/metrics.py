@@ -75,10 +75,10 @@ class _CoreView(Collector):
         waiting, running, blocks_used, blocks_total, usage, vtc_service = gauges
         core = self.core
         if core is not None:
-            # The tenants with a live request (O(live requests), once a scrape);
-            # their counts are the tenant ledger's, which admission uses.
+            # The tenants with a request waiting or running, and their counts,
+            # as the tenant ledger (which admission uses) keeps them.
             tenants = core.tenants
-            for tenant in {request.tenant for request in core.requests.values()}:
+            for tenant in tenants.active():
                 waiting.add_metric([tenant], tenants.num_waiting(tenant))
                 running.add_metric([tenant], tenants.num_running(tenant))
             for worker_id, worker in core.workers.items():

@@ -9,6 +9,7 @@ others go on.
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from dataclasses import dataclass
 
 from shared.messages import TenantLimits
@@ -35,6 +36,10 @@ class TenantLedger:
         state = self._state(tenant)
         state.max_queued = limits.max_queued
         state.max_in_flight = limits.max_in_flight
+
+    def active(self) -> KeysView[str]:
+        """Every tenant with a request waiting or running (a view that follows the ledger)."""
+        return self._tenants.keys()
 
     def num_waiting(self, tenant: str) -> int:
         """The tenant's requests on no worker."""
