@@ -28,7 +28,9 @@ once and the plan that replaces it goes out in the same turn; a worker thus
 finds its next plan already in its stream when a step ends.
 
 Metrics (``scheduler_actor/metrics.py``) read the core when scraped; the
-plans of a turn are counted once its transaction went through.
+plans of a turn are counted once its transaction went through. The live view
+(``scheduler_actor/live_view.py``) records each plan and result; every
+``PUBLISH_INTERVAL_S`` a turn's transaction also sets its snapshot, with a TTL.
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ from scheduler_actor.errors import (
     RequestTooLargeError,
     SchedulerError,
 )
+from scheduler_actor.live_view import LiveView
 from scheduler_actor.liveness import Liveness
 from scheduler_actor.metrics import SchedulerMetrics
 from scheduler_actor.request import FinishedRequest
 from shared.heartbeat import sleep_unless_set
 from shared.keys import SCHEDULER_GROUP, RedisKeys
+from shared.live_stats import PUBLISH_INTERVAL_S, TTL_MS, encode_snapshot
 from shared.messages import (
     CancelRequest,
     RequestAdopted,
@@ -139,9 +143,11 @@ class SchedulerActor:
         self._gateways_alive = Liveness(settings.orphan_timeout_s)
         self._next_housekeeping_s = 0.0
         self._next_summary_s = 0.0
+        self._next_publish_s = 0.0
         self._counters = _Counters()
         # Served at /metrics by the process (``__main__``) when asked to.
         self.metrics = SchedulerMetrics()
+        self._live = LiveView()
         self._epoch = 0
         self._redis_run_id = ""
         # Request id -> its SubmitRequest's entry, acknowledged when the request ends.
@@ -170,6 +176,8 @@ class SchedulerActor:
         self._epoch = epoch
         self._core = Scheduler(scheduler_config(self.settings, epoch), self._clock)
         self.metrics.watch(self._core)
+        # Step indices start again with the new core.
+        self._live = LiveView()
         self._workers_alive.clear()
         self._gateways_alive.clear()
         self._submit_entry_ids.clear()
@@ -212,7 +220,7 @@ class SchedulerActor:
                     failures += 1
         finally:
             with contextlib.suppress(RedisError, OSError):
-                await self._redis.delete(self.keys.ready)
+                await self._redis.delete(self.keys.ready, self.keys.live_stats)
             _log.info("scheduler_stopped", **vars(self._counters))
 
     async def _recover(self) -> int:
@@ -283,6 +291,9 @@ class SchedulerActor:
         if membership_changed:
             self._refresh_ready(pipe)
         plans = self._queue_plans(pipe)
+        if now >= self._next_publish_s:
+            self._next_publish_s = now + PUBLISH_INTERVAL_S
+            self._publish_live_view(pipe)
         for entry in entries:
             # A request's submit stays pending until the request ends.
             if entry.stream != self.keys.requests:
@@ -307,7 +318,9 @@ class SchedulerActor:
         core = self.core
         if isinstance(message, StepOutput):
             self._counters.num_results += 1
-            self._ack_finished(core.on_result(message), pipe)
+            finished = core.on_result(message)
+            self._live.record_output(message, len(finished))
+            self._ack_finished(finished, pipe)
         elif isinstance(message, SubmitRequest):
             self._submit(entry.entry_id, message, pipe)
         elif isinstance(message, CancelRequest):
@@ -496,12 +509,18 @@ class SchedulerActor:
         else:
             pipe.delete(self.keys.ready)
 
+    def _publish_live_view(self, pipe: Pipeline) -> None:
+        """The dashboard's snapshot; it vanishes ``TTL_MS`` after the last write."""
+        snapshot = self._live.snapshot(self.core, now_ms=int(time.time() * 1000))
+        pipe.set(self.keys.live_stats, encode_snapshot(snapshot), px=TTL_MS)
+
     def _queue_plans(self, pipe: Pipeline) -> list[StepPlan]:
         """Every plan the core can send now, in order, per worker; returns them."""
         plans: list[StepPlan] = []
         for worker_id in self.core.workers:
             while (plan := self.core.next_plan(worker_id)) is not None:
                 xadd_message(pipe, self.keys.plans(worker_id), plan, maxlen=PLAN_STREAM_MAXLEN)
+                self._live.record_plan(plan)
                 plans.append(plan)
         self._counters.num_plans += len(plans)
         return plans
