@@ -23,7 +23,8 @@ of its own on a private redis-server, per-tenant caps lifted as in
    = ``--grace``. The two tools draw their own arrival times and prompts.
 3. With ``--peer-url`` (or ``--llama-server``, which starts the llama.cpp
    ``llama-server`` that ``bench/llama_cpp.py`` built, on the packaged GGUF,
-   only for its run): AIPerf alone against that server, the same load.
+   only for its run, one thread by default): AIPerf alone against that
+   server, the same load, after orcapod (when it is this script's) stopped.
 
 Why AIPerf: of the three tools the issue names it is the one that installs
 from PyPI without torch (``pip install --dry-run`` of guidellm 0.8.1 pulls
@@ -50,6 +51,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -370,7 +372,7 @@ def run_aiperf(
         aiperf, url, model, load, args.tokenizer, artifact_dir, args.endpoint, api_key
     )
     log(f"aiperf -> {target} ({url}, model {model}) ...")
-    started = time.monotonic()
+    started = time.monotonic(), _children_cpu_s()
     with (results / f"aiperf-{target}.log").open("wb") as log_file:
         completed = subprocess.run(
             command, env=tool_environment(), stdout=log_file, stderr=subprocess.STDOUT
@@ -393,21 +395,30 @@ def run_orcapod_bench(
     out = results / "orcapod-bench.json"
     command = orcapod_bench_command(websocket_url(url), load, out, args.api_key)
     log("orcapod bench -> orcapod ...")
-    started = time.monotonic()
+    started = time.monotonic(), _children_cpu_s()
     with (results / "orcapod-bench.log").open("wb") as log_file:
         subprocess.run(command, check=True, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     summary = parse_orcapod_bench(json.loads(out.read_text()), args.name, load.output_tokens)
     return _run_entry(summary, command, started, args.api_key)
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of the finished children (a tool's run, its own subprocesses included)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _run_entry(
-    summary: Summary, command: list[str], started: float, api_key: str | None
+    summary: Summary, command: list[str], started: tuple[float, float], api_key: str | None
 ) -> tuple[Summary, dict[str, Any]]:
     shown = ["***" if api_key and part == api_key else part for part in command]
+    wall_s = time.monotonic() - started[0]
     return summary, {
         "summary": asdict(summary),
         "command": " ".join(shown),
-        "wall_s": round(time.monotonic() - started, 1),
+        "wall_s": round(wall_s, 1),
+        # The load generator's own CPU: it shares the 2 cores with the service.
+        "client_cpu_s": round(_children_cpu_s() - started[1], 1),
         "loadavg_1m_after": round(os.getloadavg()[0], 2),  # other work on the machine
     }
 
@@ -424,7 +435,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--llama-server", action="store_true", help="start llama-server as the peer"
     )
-    parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument(
+        "--llama-threads",
+        type=int,
+        default=1,
+        help="llama-server -t (at 2 on 2 cores it stalls beside the client: docs/benchmarks.md)",
+    )
     parser.add_argument("--llama-cache-dir", type=Path, default=DEFAULT_LLAMA_CACHE)
     parser.add_argument("--rate", type=float, default=Load.rate_rps, help="Poisson arrivals, req/s")
     parser.add_argument("--duration", type=float, default=Load.duration_s, help="s of arrivals")
@@ -466,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(SETTLE_S)
             runs.append(run_orcapod_bench(args, url.rstrip("/"), load, results))
     if args.peer_url or args.llama_server:
-        time.sleep(SETTLE_S)
+        time.sleep(SETTLE_S)  # orcapod (when it was ours) has stopped: the peer runs alone
         with contextlib.ExitStack() as stack:
             peer = args.peer_url or stack.enter_context(
                 llama_server(args.llama_cache_dir.expanduser(), args.llama_threads,
