@@ -160,8 +160,12 @@ class GatewayMetrics:
     def http_request_started(self) -> None:
         self._http_in_flight.inc()
 
-    def http_request_ended(self, socket_id: int | None) -> None:
+    def http_request_ended(self, socket_id: int | None, aborted: bool) -> None:
+        """An OpenAI request's handler is done; ``aborted``: its client went away
+        before the end (the request was cancelled, and no frame says so)."""
         self._http_in_flight.dec()
+        if aborted:
+            self._success.labels(self._gateway_id, "abort").inc()
         if socket_id is not None:
             self.connection_closed(socket_id)
 

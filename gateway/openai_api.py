@@ -478,8 +478,34 @@ def finish_reason_of(done: Done) -> str:
 
 
 def error_of_frame(error: Error) -> OpenAIError:
-    """The core's ``error`` frame, as OpenAI's error."""
-    return error_of_code(error.code, error.message)
+    """The core's ``error`` frame, as OpenAI's error: ``param`` names the field
+    its message starts with (the core's messages name the field first)."""
+    translated = error_of_code(error.code, error.message)
+    translated.param = _param_of_core_message(error.message)
+    return translated
+
+
+# The fields of a generate that are OpenAI fields too; prompt_token_ids is
+# OpenAI's `prompt` given as token ids.
+_PARAMS = {
+    "max_tokens": "max_tokens",
+    "min_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "messages": "messages",
+    "prompt": "prompt",
+    "prompt_token_ids": "prompt",
+}
+
+
+def _param_of_core_message(message: str) -> str | None:
+    """``max_tokens`` from "max_tokens 0 is below 1", ``stop`` from "`stop` has
+    17 strings", ``prompt`` from "prompt_token_ids[3] is ..."; None otherwise."""
+    first = message.split(" ", 1)[0].strip("`").split("[", 1)[0].split(".", 1)[0]
+    return _PARAMS.get(first)
 
 
 def _sse(response: _Response) -> bytes:

@@ -149,7 +149,7 @@ class OpenAIEndpoint:
         max_body_bytes: int,
         max_outbox_bytes: int,
         on_started: Callable[[], None],
-        on_ended: Callable[[int | None], None],
+        on_ended: Callable[[int | None, bool], None],
     ) -> None:
         self._host = host
         self.served_model = served_model
@@ -185,6 +185,7 @@ class OpenAIEndpoint:
     ) -> web.StreamResponse:
         self._on_started()
         socket_id: int | None = None
+        exchange: Exchange | None = None
         try:
             admitted = self._admit(request)
             if self._host.draining:
@@ -212,7 +213,8 @@ class OpenAIEndpoint:
         finally:
             if socket_id is not None:
                 await self._host.close_exchange(socket_id)
-            self._on_ended(socket_id)
+            # A request its client left before the end was aborted (and cancelled).
+            self._on_ended(socket_id, exchange is not None and not exchange.finished.is_set())
 
     async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         response = web.StreamResponse(status=HTTPStatus.OK, headers=SSE_HEADERS)

@@ -164,12 +164,12 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("wrong type", {"messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ("infinite temperature", b'{"messages": [{"role": "user", "content": "x"}], '
      b'"temperature": 1e999}', 400, None),
-    ("temperature below 0", {"messages": CHAT, "temperature": -0.1}, 400, None),
-    ("top_p 0", {"messages": CHAT, "top_p": 0}, 400, None),
-    ("max_tokens 0", {"messages": CHAT, "max_tokens": 0}, 400, None),
+    ("temperature below 0", {"messages": CHAT, "temperature": -0.1}, 400, "temperature"),
+    ("top_p 0", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("max_tokens 0", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens huge", {"messages": CHAT, "max_tokens": 2**70}, 400, None),
-    ("negative seed", {"messages": CHAT, "seed": -1}, 400, None),
-    ("min over max", {"messages": CHAT, "max_tokens": 2, "min_tokens": 5}, 400, None),
+    ("negative seed", {"messages": CHAT, "seed": -1}, 400, "seed"),
+    ("min over max", {"messages": CHAT, "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
     ("n 2", {"messages": CHAT, "n": 2}, 400, "n"),
     ("logprobs", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
     ("tools", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
@@ -178,7 +178,7 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("a bad role", {"messages": [{"role": "root", "content": "x"}]}, 400, None),
     ("an image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, None),
-    ("too many stop strings", {"messages": CHAT, "stop": ["a"] * 17}, 400, None),
+    ("too many stop strings", {"messages": CHAT, "stop": ["a"] * 17}, 400, "stop"),
     ("stream_options without stream", {"messages": CHAT, "stream_options": {
         "include_usage": True}}, 400, "stream_options"),
     ("another model", {"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
@@ -298,6 +298,9 @@ def test_a_client_that_goes_away_cancels_its_request_at_once(
             assert cancel.request_id == submit.request_id
             assert loop.time() - started_s < 2.0
         assert server.session.num_live_requests == 0
+        # Both count as aborted, though no frame said so.
+        samples = await scrape(server)
+        assert samples[("orcapod:request_success_total", (("finished_reason", "abort"),))] == 2
 
     run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
 
