@@ -5,12 +5,14 @@ gathered, padded K/V; prompt chunks are a second call padded to the longest
 chunk. Splitting the two keeps a long prefill from padding every decode's
 query to its length.
 
-Two choices make this as fast as attention over a contiguous static cache
-(measured in bench/engine.py): K/V are gathered whole blocks at a time (one
-``index_select`` of ``block_size * kv_heads * head_dim`` rows, several times
-faster than per-token indexing), and the mask is additive in the compute
-dtype (torch's CPU SDPA takes a much slower path for a boolean mask over
-strided K/V).
+Three choices make this as fast as attention over a contiguous static cache
+(measured in bench/engine.py and bench/profile_engine.py): K/V are gathered
+whole blocks at a time (one ``index_select`` of ``block_size * kv_heads *
+head_dim`` rows, several times faster than per-token indexing), into buffers
+kept from layer to layer and step to step (a fresh tensor per layer cost
+more in page faults than the copy itself), and the mask is additive in the
+compute dtype (torch's CPU SDPA takes a much slower path for a boolean mask
+over strided K/V).
 """
 
 from __future__ import annotations
@@ -70,6 +72,29 @@ class CpuAttention:
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
+        # Gather buffers, by (group, keys or values): grown, never shrunk.
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _gather(
+        self, cache: torch.Tensor, block_size: int, ids: torch.Tensor, slot: tuple[int, int]
+    ) -> torch.Tensor:
+        """The blocks ``ids`` of ``cache``, copied into the buffer of ``slot``."""
+        blocks = cache.view(cache.shape[0] // block_size, -1)
+        buffer = self._buffers.get(slot)
+        if (
+            buffer is None
+            or buffer.shape[0] < len(ids)
+            or buffer.shape[1] != blocks.shape[1]
+            or buffer.dtype != blocks.dtype
+            or buffer.device != blocks.device
+        ):
+            buffer = torch.empty(
+                (len(ids), blocks.shape[1]), dtype=blocks.dtype, device=blocks.device
+            )
+            self._buffers[slot] = buffer
+        out = buffer[: len(ids)]
+        torch.index_select(blocks, 0, ids, out=out)
+        return out
 
     def prepare(
         self, layout: list[SequenceLayout], block_size: int, device: torch.device
@@ -91,14 +116,13 @@ class CpuAttention:
         """Attention of every request over its own cached plus new K/V."""
         assert isinstance(prepared, list)
         output = torch.empty_like(queries)  # [T, heads, head_dim]
-        num_slots, num_kv_heads, head_dim = keys.shape
-        for group in prepared:
+        _, num_kv_heads, head_dim = keys.shape
+        for index, group in enumerate(prepared):
             batch = len(group.query_rows)
             query = queries[group.query_rows].transpose(1, 2)  # [B, heads, max_q, head_dim]
             gathered = (batch, group.num_kv_slots, num_kv_heads, head_dim)
-            num_blocks = num_slots // group.block_size
-            key = keys.view(num_blocks, -1).index_select(0, group.block_ids)
-            value = values.view(num_blocks, -1).index_select(0, group.block_ids)
+            key = self._gather(keys, group.block_size, group.block_ids, (index, 0))
+            value = self._gather(values, group.block_size, group.block_ids, (index, 1))
             key = key.view(gathered).transpose(1, 2)  # [B, kv_heads, kv_slots, head_dim]
             value = value.view(gathered).transpose(1, 2)
             attended = F.scaled_dot_product_attention(
