@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from gpu_worker.attention import SequenceLayout, block_ids, causal_mask
 
+_SHRINK_FACTOR = 4
+
 
 @dataclass(frozen=True)
 class _Group:
@@ -72,7 +74,8 @@ class CpuAttention:
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
-        # Gather buffers, by (group, keys or values): grown, never shrunk.
+        # Gather buffers, by (group, keys or values): grown as needed, and
+        # shrunk once far larger than what a step needs.
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
 
     def _gather(
@@ -84,6 +87,8 @@ class CpuAttention:
         if (
             buffer is None
             or buffer.shape[0] < len(ids)
+            # Far larger than needed now (after a burst): give the memory back.
+            or buffer.shape[0] > _SHRINK_FACTOR * len(ids)
             or buffer.shape[1] != blocks.shape[1]
             or buffer.dtype != blocks.dtype
             or buffer.device != blocks.device
