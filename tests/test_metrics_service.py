@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from shared.messages import (
 from shared.metrics_http import metrics_url
 from tests.conftest import free_port
 from tests.gpu_worker.tiny_models import write_tiny_model
-from tests.test_service_actors import KV_CACHE_BYTES, start
+from tests.test_service_actors import running_actors
 
 KEYS = RedisKeys("metrics-e2e")
 GATEWAY = "gw-metrics"
@@ -53,37 +52,17 @@ def ports() -> dict[str, int]:
 def service(
     redis_server, tmp_path: Path, ports: dict[str, int]
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """The scheduler and one worker, each serving /metrics; killed afterwards if still up."""
+    """The scheduler and one worker, each serving /metrics."""
     model_dir = write_tiny_model(tmp_path / "tiny", "llama")
-    common = ["--redis-url", redis_server.url, "--prefix", KEYS.prefix]
-    processes = {
-        "worker": start(
-            "gpu_worker",
-            *common,
-            "--worker-id=w1",
-            f"--model={model_dir}",
-            "--device=cpu",
-            "--dtype=float32",
-            f"--kv-cache-bytes={KV_CACHE_BYTES}",
-            f"--metrics-port={ports['worker']}",
-            log_path=tmp_path / "worker.log",
-        ),
-        "scheduler": start(
-            "scheduler_actor",
-            *common,
-            f"--metrics-port={ports['scheduler']}",
-            log_path=tmp_path / "scheduler.log",
-        ),
-    }
-    try:
+    with running_actors(
+        redis_server.url,
+        KEYS.prefix,
+        model_dir,
+        tmp_path,
+        worker_args=[f"--metrics-port={ports['worker']}"],
+        scheduler_args=[f"--metrics-port={ports['scheduler']}"],
+    ) as processes:
         yield processes
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for name in processes:
-            sys.stderr.write(f"--- {name} log ---\n{(tmp_path / f'{name}.log').read_text()}\n")
 
 
 def scrape(port: int) -> Samples:

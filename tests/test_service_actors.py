@@ -3,12 +3,13 @@ as real processes; the test plays the gateway."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -46,12 +47,18 @@ def start(module: str, *args: str, log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
-@pytest.fixture
-def service(
-    redis_server, model_dir: Path, tmp_path: Path
+@contextlib.contextmanager
+def running_actors(
+    redis_url: str,
+    prefix: str,
+    model_dir: Path,
+    tmp_path: Path,
+    worker_args: Sequence[str] = (),
+    scheduler_args: Sequence[str] = (),
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """The scheduler and one worker, stopped (SIGKILL) afterwards if still running."""
-    common = ["--redis-url", redis_server.url, "--prefix", KEYS.prefix]
+    """The scheduler and one worker (``w1``), stopped (SIGKILL) afterwards if
+    still running; their logs go to the test's output."""
+    common = ["--redis-url", redis_url, "--prefix", prefix]
     processes = {
         "worker": start(
             "gpu_worker",
@@ -61,10 +68,11 @@ def service(
             "--device=cpu",
             "--dtype=float32",
             f"--kv-cache-bytes={KV_CACHE_BYTES}",
+            *worker_args,
             log_path=tmp_path / "worker.log",
         ),
         "scheduler": start(
-            "scheduler_actor", *common, "--token-budget=48", log_path=tmp_path / "scheduler.log"
+            "scheduler_actor", *common, *scheduler_args, log_path=tmp_path / "scheduler.log"
         ),
     }
     try:
@@ -76,6 +84,17 @@ def service(
                 process.wait()
         for name in processes:
             sys.stderr.write(f"--- {name} log ---\n{(tmp_path / f'{name}.log').read_text()}\n")
+
+
+@pytest.fixture
+def service(
+    redis_server, model_dir: Path, tmp_path: Path
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """The scheduler and one worker."""
+    with running_actors(
+        redis_server.url, KEYS.prefix, model_dir, tmp_path, scheduler_args=["--token-budget=48"]
+    ) as processes:
+        yield processes
 
 
 def expected_tokens(model_dir: Path, jobs: list[Job]) -> dict[str, list[int]]:

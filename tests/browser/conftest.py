@@ -30,7 +30,9 @@ SCREENSHOTS = REPO / "docs" / "img"
 TIMEOUT_MS = 30_000
 
 
-@pytest.fixture(scope="session")
+# Package scope, never session: sync Playwright runs an event loop in the main
+# thread while it is open, and every later asyncio.run() would refuse to start.
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Browser]:
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing (scripts/setup.sh installs Debian's chromium)")
