@@ -17,11 +17,13 @@ from websockets.asyncio.client import connect
 
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
 from tests.conftest import descendants, free_port
+from tests.test_up_metrics import METRICS_LINE, scrape_families
 from tests.up_process import REPO, UpProcess
 
 
-@pytest.fixture
-def service(prepared_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def service(prepared_model_dir):
+    """One `orcapod up` for the module; its last test stops it."""
     port = free_port()
     while free_port() == port + 1:
         pass
@@ -34,7 +36,7 @@ def service(prepared_model_dir, tmp_path):
         env,
     )
     up.wait_ready()
-    yield up.process, port, up.output
+    yield up.process, port, up
     up.stop()
 
 
@@ -60,35 +62,6 @@ async def _generate(url: str, question: str, max_tokens: int = 12) -> tuple[str,
             elif isinstance(message, Done):
                 assert seqs == list(range(len(seqs)))
                 return "".join(text), message
-
-
-def test_up_serves_on_every_gateway_and_stops_cleanly(service):
-    process, port, _ = service
-    # Each actor is its own process, named by its command line.
-    commands = [cmd for _, cmd in descendants(process.pid)]
-    for role in ("redis-server", "-m scheduler_actor", "-m gpu_worker", "-m gateway"):
-        assert any(role in cmd for cmd in commands), (role, commands)
-    assert sum("-m gateway" in cmd for cmd in commands) == 2
-    # The embedded Redis password never shows on a command line.
-    assert not any("requirepass" in cmd or "@127.0.0.1" in cmd for cmd in commands)
-
-    for gateway_port in (port, port + 1):
-        text, done = asyncio.run(
-            _generate(f"ws://127.0.0.1:{gateway_port}/ws", "What is the capital of France?")
-        )
-        assert "Paris" in text
-        assert done.finish_reason in ("stop", "length")
-        assert done.usage.completion_tokens >= 1
-
-    pids = [pid for pid, _ in descendants(process.pid)]
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
-    time.sleep(0.2)
-    for pid in pids:
-        assert (
-            not Path(f"/proc/{pid}").exists()
-            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-        )
 
 
 def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(service):
@@ -127,3 +100,53 @@ def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_an
     assert chat.returncode == 0, output
     assert "[cancelled]" in output  # Ctrl-C ended the first answer, not the client
     assert "Paris" in output.split("[cancelled]", 1)[1]
+
+
+def test_up_prints_and_serves_the_actors_metrics(service):
+    _, port, up = service
+    output = up.drain()
+    ready_at = next(i for i, line in enumerate(output) if "orcapod is ready" in line)
+    # The lines it printed before still come first.
+    assert output[ready_at + 1].strip().startswith(f"ws://127.0.0.1:{port}/ws")
+    urls = {
+        match["name"]: match["url"]
+        for line in output[ready_at:]
+        if (match := METRICS_LINE.match(line.rstrip("\n")))
+    }
+    assert set(urls) == {"scheduler", "worker-0", "gateway-0", "gateway-1"}
+    assert urls["gateway-1"] == f"http://127.0.0.1:{port + 1}/metrics"
+    assert urls["scheduler"] != urls["worker-0"]
+    deadline_s = time.monotonic() + 30
+    assert "orcapod:kv_blocks_total" in scrape_families(urls["scheduler"], deadline_s)
+    assert "orcapod:step_time_seconds" in scrape_families(urls["worker-0"], deadline_s)
+    assert "orcapod:time_to_first_token_seconds" in scrape_families(urls["gateway-0"], deadline_s)
+
+
+# Last: it stops the module's service.
+def test_up_serves_on_every_gateway_and_stops_cleanly(service):
+    process, port, _ = service
+    # Each actor is its own process, named by its command line.
+    commands = [cmd for _, cmd in descendants(process.pid)]
+    for role in ("redis-server", "-m scheduler_actor", "-m gpu_worker", "-m gateway"):
+        assert any(role in cmd for cmd in commands), (role, commands)
+    assert sum("-m gateway" in cmd for cmd in commands) == 2
+    # The embedded Redis password never shows on a command line.
+    assert not any("requirepass" in cmd or "@127.0.0.1" in cmd for cmd in commands)
+
+    for gateway_port in (port, port + 1):
+        text, done = asyncio.run(
+            _generate(f"ws://127.0.0.1:{gateway_port}/ws", "What is the capital of France?")
+        )
+        assert "Paris" in text
+        assert done.finish_reason in ("stop", "length")
+        assert done.usage.completion_tokens >= 1
+
+    pids = [pid for pid, _ in descendants(process.pid)]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    time.sleep(0.2)
+    for pid in pids:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )

@@ -1,21 +1,17 @@
 """`orcapod up` gives the scheduler and each worker a metrics port and says where
-every actor's /metrics is; the ones it printed answer a real scrape."""
+every actor's /metrics is (tests/test_up.py scrapes the ones a real `orcapod up`
+printed)."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from orcapod.up import free_metrics_ports, metrics_lines
-from tests.conftest import free_port
-from tests.gpu_worker.tiny_models import write_tiny_model
-from tests.up_process import UpProcess
 
 METRICS_LINE = re.compile(r"^\s+(?P<name>[a-z]+-?\d*)\s+(?P<url>http://\S+/metrics)$")
 
@@ -38,7 +34,7 @@ def test_free_metrics_ports_are_distinct_and_avoid_the_taken_ones() -> None:
     assert len(set(ports)) == 20 and not taken & set(ports)
 
 
-def _scrape(url: str, deadline_s: float) -> set[str]:
+def scrape_families(url: str, deadline_s: float) -> set[str]:
     """The metric family names at ``url`` (retried until ``deadline_s``)."""
     while True:
         try:
@@ -48,37 +44,3 @@ def _scrape(url: str, deadline_s: float) -> set[str]:
         except (urllib.error.URLError, OSError):
             assert time.monotonic() < deadline_s, f"{url} never answered"
             time.sleep(0.2)
-
-
-def test_up_prints_and_serves_the_actors_metrics(tmp_path: Path) -> None:
-    model_dir = write_tiny_model(tmp_path / "tiny", "llama")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    up = UpProcess(
-        [
-            *("--port", str(port), "--model", str(model_dir)),
-            "--worker-arg=--device=cpu",
-            "--worker-arg=--kv-cache-bytes=4194304",
-        ],
-        env,
-    )
-    try:
-        up.wait_ready()
-        time.sleep(0.5)  # the lines after the ready line
-        output = up.drain()
-        ready_at = next(i for i, line in enumerate(output) if "orcapod is ready" in line)
-        # The lines it printed before still come first.
-        assert output[ready_at + 1].strip().startswith(f"ws://127.0.0.1:{port}/ws")
-        urls = {
-            match["name"]: match["url"]
-            for line in output[ready_at:]
-            if (match := METRICS_LINE.match(line.rstrip("\n")))
-        }
-        assert set(urls) == {"scheduler", "worker-0", "gateway-0"}
-        assert urls["gateway-0"] == f"http://127.0.0.1:{port}/metrics"
-        assert urls["scheduler"] != urls["worker-0"]
-        deadline_s = time.monotonic() + 30
-        assert "orcapod:kv_blocks_total" in _scrape(urls["scheduler"], deadline_s)
-        assert "orcapod:step_time_seconds" in _scrape(urls["worker-0"], deadline_s)
-    finally:
-        up.stop()

@@ -185,11 +185,12 @@ BAD_GENERATE_VALUES: dict[str, st.SearchStrategy[Any]] = {
         lambda count: [{"role": "user", "content": "x"}] * count
     ),
     "prompt_token_ids": st.just([]) | NOT_A_LIST | _with_one_bad(st.integers(0, 100), BAD_TOKEN_ID),
+    # (null is valid: as many as the context leaves.)
     "max_tokens": st.integers(max_value=0)
     | st.integers(min_value=MAX_TOKENS_LIMIT + 1)
     | HUGE_OR_NEGATIVE
-    | NOT_INT
-    | st.none(),
+    | NOT_INT,
+    "min_tokens": st.integers(max_value=-1) | st.integers(min_value=2**63) | NOT_INT | st.none(),
     "temperature": _outside(0, 100) | NOT_NUMBER,
     "top_p": _outside(0, 1, low_open=True) | NOT_NUMBER,
     # Over int64 would not fit the wire to the worker.
