@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.quantized_linear import WEIGHT_FORMATS
 from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
@@ -34,6 +35,14 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
     parser.add_argument("--cache-dir", help="prepared models (default: $ORCAPOD_CACHE_DIR)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: CUDA when present)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default=DEFAULTS["weight_format"],
+        help="float32: exact; int8 or float16: matrices packed for fbgemm, fewer bytes per "
+        "token (CPU and --dtype float32 only; where they cannot run or their logits of a "
+        "probe prompt stray, as int8's do on SmolLM2, the loaded weights, with a log line)",
+    )
     parser.add_argument("--backend", help="attention backend (default: the device's fastest)")
     parser.add_argument("--kv-cache-bytes", type=int, help="K/V pool size in bytes")
     parser.add_argument("--kv-cache-fraction", type=float, default=DEFAULTS["kv_cache_fraction"])
@@ -60,6 +69,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         worker_id=args.worker_id or default_instance_id("worker"),
         device=args.device,
         dtype=args.dtype,
+        weight_format=args.weights,
         attention_backend=args.backend,
         kv_cache_bytes=args.kv_cache_bytes,
         kv_cache_fraction=args.kv_cache_fraction,
@@ -74,7 +84,9 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
 
 def build_engine(settings: WorkerSettings) -> Engine:
     """The model on its device and a K/V pool of the configured size."""
-    model = load_model(settings.model.model_dir, settings.device, settings.dtype)
+    model = load_model(
+        settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
+    )
     budget = KVCacheBudget(
         num_bytes=settings.kv_cache_bytes,
         fraction=settings.kv_cache_fraction,

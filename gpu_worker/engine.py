@@ -35,8 +35,9 @@ from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import load_model_config
+from gpu_worker.quantized_linear import pack_weights
 from gpu_worker.sampler import SamplingError, sample
-from gpu_worker.weights import load_weights
+from gpu_worker.weights import ModelWeights, load_weights
 from shared.messages import (
     FinishReason,
     RequestFailure,
@@ -55,6 +56,8 @@ if TYPE_CHECKING:  # imported lazily at run time: it needs triton, the CPU path 
 _RECENTLY_ENDED_LIMIT = 65536
 # What a client is told when the step its request was in failed as a whole.
 STEP_FAILED_MESSAGE = "the worker failed to run this request's step"
+# Tokens of the prompt whose logits packed weights must reproduce at load.
+PROBE_PROMPT_TOKENS = 32
 
 _log = structlog.get_logger(__name__)
 
@@ -96,13 +99,53 @@ class EngineStats:
     busy_s: float = 0.0
 
 
-def load_model(model_dir: Path, device: str | None = None, dtype: str | None = None) -> LlamaModel:
-    """Load a Hugging Face-format Llama directory on the chosen device and dtype."""
+def load_model(
+    model_dir: Path,
+    device: str | None = None,
+    dtype: str | None = None,
+    weight_format: str = "float32",
+) -> LlamaModel:
+    """Load a Hugging Face-format Llama directory on the chosen device and dtype.
+
+    ``weight_format`` 'int8' or 'float16' packs the matrices for the CPU's
+    fbgemm kernels (``quantized_linear``); where they cannot run, or their
+    logits of a probe prompt stray from the loaded weights', the loaded
+    tensors are kept (the exact path) and one log line says why.
+    """
     torch_device = choose_device(device)
     torch_dtype = choose_dtype(torch_device, dtype)
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, torch_device, torch_dtype)
+
+    def probe(candidate: ModelWeights) -> torch.Tensor:
+        return probe_logits(LlamaModel(config, candidate, torch_device, torch_dtype))
+
+    weights = pack_weights(weights, weight_format, torch_device, torch_dtype, probe)
     return LlamaModel(config, weights, torch_device, torch_dtype)
+
+
+def probe_logits(model: LlamaModel, num_tokens: int = PROBE_PROMPT_TOKENS) -> torch.Tensor:
+    """Logits ``[num_tokens, vocab]`` of every position of a fixed pseudo-random
+    prompt, prefilled in one pass into a throwaway K/V cache."""
+    config, device = model.config, model.device
+    generator = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(config.vocab_size, (num_tokens,), generator=generator)
+    block_size = 16
+    cache = PagedKVCache(
+        config, blocks_for(num_tokens, block_size), block_size, device, model.dtype
+    )
+    cache.allocator.grow({"probe": num_tokens})
+    backend = make_backend(default_backend_name(device), model.dtype)
+    layout = [SequenceLayout(0, num_tokens, 0, cache.allocator.block_table("probe"))]
+    return model.forward(
+        token_ids=token_ids.to(device),
+        positions=torch.arange(num_tokens, device=device),
+        slot_mapping=torch.tensor(cache.slot_ids("probe", 0, num_tokens), device=device),
+        kv_cache=cache,
+        backend=backend,
+        attention_plan=backend.prepare(layout, block_size, device),
+        logits_rows=torch.arange(num_tokens, device=device),
+    )
 
 
 class Engine:

@@ -8,12 +8,12 @@ is split per request, inside the attention backend. No sampling, no I/O.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gpu_worker.attention import AttentionBackend, kv_writer
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.pointwise import PointwiseOps, default_pointwise_name, make_pointwise
+from gpu_worker.quantized_linear import linear
 from gpu_worker.rotary import RotaryEmbedding
 from gpu_worker.weights import ModelWeights
 
@@ -61,16 +61,16 @@ class LlamaModel:
         delta: torch.Tensor | None = None
         for index, layer in enumerate(self.weights.layers):
             hidden, x = ops.add_rms_norm(hidden, delta, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+            qkv = linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
             layer_keys, layer_values = kv_cache.keys[index], kv_cache.values[index]
             query = ops.rope_and_store_kv(
                 qkv, config.num_heads, config.num_kv_heads, rotary_inputs,
                 slot_mapping, layer_keys, layer_values, write_kv,
             )  # fmt: skip
             attended = backend.attend(query, layer_keys, layer_values, attention_plan)
-            delta = F.linear(attended.reshape(len(query), -1), layer.o_proj)
+            delta = linear(attended.reshape(len(query), -1), layer.o_proj)
             hidden, x = ops.add_rms_norm(hidden, delta, layer.post_attention_norm, eps)
-            delta = F.linear(ops.silu_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+            delta = linear(ops.silu_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
         rows_delta = None if delta is None else delta[logits_rows]
         _, last = ops.add_rms_norm(hidden[logits_rows], rows_delta, self.weights.final_norm, eps)
-        return F.linear(last, self.weights.lm_head).float()  # [rows, vocab]
+        return linear(last, self.weights.lm_head).float()  # [rows, vocab]

@@ -13,19 +13,21 @@ import torch
 from safetensors import safe_open
 
 from gpu_worker.model_config import ModelConfig, ModelLoadError
+from gpu_worker.quantized_linear import PackedLinear
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer."""
+    """One decoder layer. A projection is a tensor, or packed by
+    ``quantized_linear.pack_weights`` after loading."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv_proj: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_proj: torch.Tensor | PackedLinear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    o_proj: torch.Tensor | PackedLinear  # [hidden, heads * head_dim]
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    gate_up_proj: torch.Tensor | PackedLinear  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor | PackedLinear  # [hidden, intermediate]
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    lm_head: torch.Tensor | PackedLinear  # [vocab, hidden]; the embedding itself when tied
 
 
 class _Checkpoint:

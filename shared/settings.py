@@ -155,6 +155,9 @@ class WorkerSettings:
     worker_id: str
     device: str | None = None
     dtype: str | None = None
+    # How the matrices are held: 'float32' (exact), or packed for the CPU's
+    # fbgemm kernels, 'int8' or 'float16' (gpu_worker/quantized_linear.py).
+    weight_format: str = "float32"
     attention_backend: str | None = None
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = 0.25
