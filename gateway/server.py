@@ -134,7 +134,6 @@ class GatewayServer:
         self._dashboards: dict[web.WebSocketResponse, str | None] = {}
         self._live = LiveFeed(self._redis, self._keys.live_stats)
         self._pseudonyms = Pseudonyms()
-        self._draining = False
         self.metrics = GatewayMetrics(settings.gateway_id)
         self._openai = OpenAIEndpoint(
             self,
@@ -168,7 +167,7 @@ class GatewayServer:
     @property
     def draining(self) -> bool:
         """Shutting down: new requests and sockets are refused."""
-        return self._draining
+        return self._session.draining
 
     @property
     def url(self) -> str:
@@ -252,7 +251,6 @@ class GatewayServer:
         for the requests in flight and their last frames; then close every socket."""
         # Open connections stay open; a request on one now gets a 503.
         await site.stop()
-        self._draining = True
         self._session.start_draining()
         logger.info(
             "gateway draining",
@@ -342,7 +340,7 @@ class GatewayServer:
         self, request: web.Request, max_frame_bytes: int
     ) -> tuple[web.WebSocketResponse, Admitted] | web.Response:
         """The handshake of ``/ws`` and ``/dashboard/ws``: the socket, or the refusal."""
-        if self._draining:
+        if self._session.draining:
             return web.Response(
                 status=HTTPStatus.SERVICE_UNAVAILABLE, text="gateway is shutting down\n"
             )

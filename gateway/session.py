@@ -125,6 +125,11 @@ class GatewaySession:
         """Requests in flight on open sockets (what a graceful shutdown waits for)."""
         return self.table.num_attached
 
+    @property
+    def draining(self) -> bool:
+        """Shutting down: every new ``generate`` is refused."""
+        return self._admission.draining
+
     def start_draining(self) -> None:
         """From now on every ``generate`` is refused; requests in flight go on."""
         self._admission.draining = True
