@@ -55,6 +55,7 @@ from shared.messages import (
     SampledToken,
     StepOutput,
     StepPlan,
+    StepTiming,
     TokenBatch,
     WorkerJoined,
     WorkerLeft,
@@ -83,6 +84,14 @@ SUMMARY_EVERY_STEPS = 200
 STEP_GAP_EDGES_US = (100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000, 10_000, 100_000)
 
 _log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Received:
+    """A plan as the reader queued it, with when it was read (``time.time()``)."""
+
+    entry: StreamEntry[StepPlan]
+    received_at: float
 
 
 @dataclass
@@ -116,6 +125,7 @@ class WorkerActor:
         self._window_busy_s = 0.0
         self._num_steps = 0
         self._last_step_end_s: float | None = None
+        self._commit_s = 0.0  # transaction round trips not yet added to the stats hash
         # Served at /metrics by the process (``__main__``) when asked to.
         self.metrics = WorkerMetrics(self.worker_id, engine.stats)
 
@@ -160,7 +170,7 @@ class WorkerActor:
     async def run(self, stop: asyncio.Event) -> None:
         """Register, serve plans until ``stop`` is set, then leave."""
         await self.register()
-        plans: queue.SimpleQueue[StreamEntry[StepPlan] | None] = queue.SimpleQueue()
+        plans: queue.SimpleQueue[_Received | None] = queue.SimpleQueue()
         done: asyncio.Queue[_Done | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tasks:
@@ -203,9 +213,7 @@ class WorkerActor:
         if epoch is not None:
             self._joined_epoch = epoch
 
-    async def _read(
-        self, stop: asyncio.Event, plans: queue.SimpleQueue[StreamEntry[StepPlan] | None]
-    ) -> None:
+    async def _read(self, stop: asyncio.Event, plans: queue.SimpleQueue[_Received | None]) -> None:
         decoders = {self._plans_stream: decode_step_plan}
         failures = 0
         try:
@@ -228,22 +236,34 @@ class WorkerActor:
                     failures += 1
                     continue
                 failures = 0
+                received_at = time.time()
                 for entry in entries:
-                    plans.put_nowait(entry)
+                    plans.put_nowait(_Received(entry, received_at))
         finally:
             plans.put_nowait(None)
 
     def _run_engine(
         self,
         stop: asyncio.Event,
-        plans: queue.SimpleQueue[StreamEntry[StepPlan] | None],
+        plans: queue.SimpleQueue[_Received | None],
         done: asyncio.Queue[_Done | None],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         """The engine thread: run plans in order until the reader ends the queue."""
         try:
-            while (entry := plans.get()) is not None and not stop.is_set():
-                loop.call_soon_threadsafe(done.put_nowait, self._run_plan_or_fail(entry))
+            while (received := plans.get()) is not None and not stop.is_set():
+                started_at = time.time()
+                item = self._run_plan_or_fail(received.entry)
+                if item.output is not None and item.output.num_new_tokens:
+                    timing = StepTiming(
+                        planned_at=received.entry.message.planned_at,
+                        received_at=received.received_at,
+                        started_at=started_at,
+                        ended_at=time.time(),
+                        forward_s=item.output.step_ms / 1000,
+                    )
+                    item.output = msgspec.structs.replace(item.output, timing=timing)
+                loop.call_soon_threadsafe(done.put_nowait, item)
         finally:
             # Plans left unrun stay pending; the scheduler recomputes their requests.
             loop.call_soon_threadsafe(done.put_nowait, None)
@@ -376,7 +396,9 @@ class WorkerActor:
                 self.metrics.observe_step(item.output, item.num_requests)
             while True:
                 try:
+                    sent_at = time.perf_counter()
                     await self._publish_one(item)
+                    self._commit_s += time.perf_counter() - sent_at
                     failures = 0
                     break
                 except (RedisError, OSError) as error:
@@ -417,6 +439,10 @@ class WorkerActor:
                 pipe.hincrby(stats, f"{self.worker_id}:num_requests", item.num_requests)
             if item.step_gap_s is not None:
                 self._count_gap(pipe, item.step_gap_s)
+        if self._commit_s:
+            # Round trips of the earlier steps' transactions (this one's is not known yet).
+            pipe.hincrbyfloat(stats, f"{self.worker_id}:commit_s", self._commit_s)
+            self._commit_s = 0.0
         pipe.xack(self._plans_stream, WORKER_GROUP, item.entry_id)
         pipe.xdel(self._plans_stream, item.entry_id)
         await pipe.execute()

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.client import Pipeline
@@ -59,6 +60,7 @@ from scheduler_actor.live_view import LiveView
 from scheduler_actor.liveness import Liveness
 from scheduler_actor.metrics import SchedulerMetrics
 from scheduler_actor.request import FinishedRequest
+from scheduler_actor.step_timing import StepTimingTotals
 from shared.heartbeat import sleep_unless_set
 from shared.keys import SCHEDULER_GROUP, RedisKeys
 from shared.live_stats import PUBLISH_INTERVAL_S, TTL_MS, encode_snapshot
@@ -148,6 +150,7 @@ class SchedulerActor:
         # Served at /metrics by the process (``__main__``) when asked to.
         self.metrics = SchedulerMetrics()
         self._live = LiveView()
+        self._timing = StepTimingTotals()
         self._epoch = 0
         self._redis_run_id = ""
         # Request id -> its SubmitRequest's entry, acknowledged when the request ends.
@@ -275,11 +278,15 @@ class SchedulerActor:
             block_ms=READ_BLOCK_MS,
             count=READ_COUNT,
         )
+        read_at = time.time()
+        work_started = time.perf_counter()
         # One transaction: the plans, rejections and acknowledgements of a turn
         # reach Redis together or not at all.
         pipe = self._redis.pipeline(transaction=True)
         membership_changed = False
         for entry in entries:
+            if isinstance(entry.message, StepOutput) and entry.message.timing is not None:
+                self._timing.add_step(entry.message.timing, read_at)
             membership_changed |= await self._apply(entry, pipe)
         now = self._clock()
         if now >= self._next_housekeeping_s:
@@ -299,7 +306,11 @@ class SchedulerActor:
             if entry.stream != self.keys.requests:
                 self._ack(pipe, entry.stream, entry.entry_id)
         if len(pipe):
+            if self._timing.num_steps or self._timing.num_turns:
+                self._timing.queue_flush(pipe, self.keys.stats)
+            work_s = time.perf_counter() - work_started
             await pipe.execute()
+            self._timing.add_turn(work_s, time.perf_counter() - work_started - work_s)
         self.metrics.plans_sent(plans, self.core)
         if now >= self._next_summary_s and (entries or self.core.requests):
             # An idle service logs nothing: a summary only when there was work.
@@ -519,6 +530,7 @@ class SchedulerActor:
         plans: list[StepPlan] = []
         for worker_id in self.core.workers:
             while (plan := self.core.next_plan(worker_id)) is not None:
+                plan = msgspec.structs.replace(plan, planned_at=time.time())
                 xadd_message(pipe, self.keys.plans(worker_id), plan, maxlen=PLAN_STREAM_MAXLEN)
                 self._live.record_plan(plan)
                 plans.append(plan)

@@ -105,6 +105,8 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step_plan", forbid_unknown_fiel
     decode_request_ids: list[str] = []
     released_request_ids: list[str] = []
     version: int = WIRE_VERSION
+    # Wall clock (time.time()) when the scheduler sent it; 0.0 when not stamped.
+    planned_at: float = 0.0
 
     @property
     def num_new_tokens(self) -> int:
@@ -134,6 +136,23 @@ class RequestFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     message: str
 
 
+class StepTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one step's wall time went on its worker (``time.time()`` stamps,
+    comparable with the scheduler's on one machine; durations in seconds).
+
+    ``planned_at`` is the plan's own stamp; ``received_at`` when the worker
+    read it; ``started_at``/``ended_at`` bracket the engine thread's work on
+    it (validation, layout, forward, sampling, token routing); ``forward_s``
+    is the model's forward pass and sampling inside that.
+    """
+
+    planned_at: float
+    received_at: float
+    started_at: float
+    ended_at: float
+    forward_s: float
+
+
 class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_fields=True):
     """What one executed plan produced: the sampled tokens (at most one per
     request), the requests that failed in it, and how long the forward pass took."""
@@ -147,6 +166,7 @@ class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_
     version: int = WIRE_VERSION
     # Defaulted so that an output written before failures were reported still decodes.
     failed: list[RequestFailure] = []
+    timing: StepTiming | None = None
 
     @property
     def finished_request_ids(self) -> list[str]:
