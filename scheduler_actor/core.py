@@ -25,6 +25,7 @@ from scheduler_actor.errors import (
     RequestTooLargeError,
     UnknownWorkerError,
 )
+from scheduler_actor.placement import KvRelease, Placements
 from scheduler_actor.plan_builder import PlanBuilder
 from scheduler_actor.policy import make_policy
 from scheduler_actor.request import EndReason, FinishedRequest, Request, RequestStatus
@@ -50,6 +51,7 @@ class Scheduler:
         self._policy = make_policy(config, self.vtc, self.tenants, self._is_preferred)
         self._requests: dict[str, Request] = {}
         self._workers: dict[str, WorkerState] = {}
+        self._placements = Placements(self._workers, self._policy, self.tenants)
         self._next_arrival_seq = 0
         self._next_join_seq = 0
         # One counter for all workers, so a result of a lost worker's plan
@@ -123,8 +125,7 @@ class Scheduler:
         )
         self._next_arrival_seq += 1
         self._requests[request_id] = request
-        self.tenants.queued(tenant)
-        self._policy.enqueue(request)
+        self._placements.move(request, RequestStatus.WAITING)
 
     def cancel(self, request_id: str) -> list[FinishedRequest]:
         """Cancel a live request (a no-op for unknown or finished ones). Returns
@@ -132,20 +133,14 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None or request.status is RequestStatus.FINISHED:
             return []
-        if request.status is RequestStatus.WAITING:
-            self._policy.discard(request)
-            self.tenants.left_waiting(request.tenant)
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = "cancelled"
-            return [self._release(request)]
-        worker = self._workers[_worker_id(request)]
-        worker.ledger.free(request.num_blocks)
-        del worker.placed[request_id]
-        self.tenants.left_running(request.tenant)
-        worker.pending_release_ids.append(request_id)
-        request.status = RequestStatus.FINISHED
+        worker = self._workers[request.worker_id] if request.worker_id is not None else None
         request.finish_reason = "cancelled"
-        return [self._release(request), *self._release_batch_if_done(worker)]
+        # A placed request's K/V is released in its worker's next plan.
+        self._placements.move(request, RequestStatus.FINISHED)
+        released = [self._release(request)]
+        if worker is not None:
+            released += self._release_batch_if_done(worker)
+        return released
 
     def move_to_gateway(self, request_id: str, gateway_id: str) -> None:
         """A live request is now served by ``gateway_id`` (a resume there); a no-op
@@ -177,19 +172,20 @@ class Scheduler:
         ``failed``: the worker died or vanished (not a clean leave); a request
         that was on ``MAX_WORKERS_LOST`` such workers ends with "error" (its
         record is returned) instead of going to another one."""
-        worker = self._workers.pop(worker_id, None)
+        worker = self._workers.get(worker_id)
         if worker is None:
             raise UnknownWorkerError(worker_id)
+        # Its K/V, held batch included, is gone with it.
         ended = [self._release(request) for request in worker.held]
         for request in sorted(worker.placed.values(), key=_arrival_seq):
             request.num_workers_lost += int(failed)
-            request.unplace()
             if request.num_workers_lost >= MAX_WORKERS_LOST:
-                self.tenants.left_running(request.tenant)
-                ended.append(self._end_with_error(request, WORKERS_LOST_MESSAGE))
+                ended.append(
+                    self._end_with_error(request, WORKERS_LOST_MESSAGE, KvRelease.BY_WORKER)
+                )
             else:
-                self.tenants.unplaced(request.tenant)
-                self._policy.enqueue(request)
+                self._placements.move(request, RequestStatus.WAITING, KvRelease.BY_WORKER)
+        del self._workers[worker_id]
         return ended
 
     def next_plan(self, worker_id: str) -> StepPlan | None:
@@ -200,7 +196,7 @@ class Scheduler:
             raise UnknownWorkerError(worker_id)
         if not worker.can_plan():
             return None
-        builder = PlanBuilder(worker, self._next_step_index, self.config.epoch, self.tenants)
+        builder = PlanBuilder(worker, self._next_step_index, self.config.epoch, self._placements)
         self._policy.fill(builder)
         plan = builder.build()
         if plan is None:
@@ -254,38 +250,30 @@ class Scheduler:
     def _fail(self, worker: WorkerState, request: Request, error: str) -> list[FinishedRequest]:
         """The worker ended the request with an error (and freed its blocks): it
         ends here too, never placed again; it holds no batch back."""
-        del worker.placed[request.request_id]
-        self.tenants.left_running(request.tenant)
-        worker.ledger.free(request.num_blocks)
-        return [self._end_with_error(request, error), *self._release_batch_if_done(worker)]
+        return [
+            self._end_with_error(request, error, KvRelease.BY_WORKER),
+            *self._release_batch_if_done(worker),
+        ]
 
-    def _end_with_error(self, request: Request, error: str) -> FinishedRequest:
-        request.status = RequestStatus.FINISHED
+    def _end_with_error(self, request: Request, error: str, kv: KvRelease) -> FinishedRequest:
         request.finish_reason = "error"
         request.error = error
+        self._placements.move(request, RequestStatus.FINISHED, kv)
         return self._release(request)
 
     def _finish(
         self, worker: WorkerState, request: Request, reason: EndReason
     ) -> list[FinishedRequest]:
         # The worker frees a finished request's blocks itself.
-        request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        del worker.placed[request.request_id]
-        self.tenants.left_running(request.tenant)
         if self._policy.holds_results_until_batch_end:
-            worker.held.append(request)
+            self._placements.move(request, RequestStatus.FINISHED, KvRelease.AT_BATCH_END)
             return self._release_batch_if_done(worker)
-        worker.ledger.free(request.num_blocks)
+        self._placements.move(request, RequestStatus.FINISHED, KvRelease.BY_WORKER)
         return [self._release(request)]
 
     def _release_batch_if_done(self, worker: WorkerState) -> list[FinishedRequest]:
-        if worker.placed or not worker.held:
-            return []
-        held, worker.held = worker.held, []
-        for request in held:
-            worker.ledger.free(request.num_blocks)
-        return [self._release(request) for request in held]
+        return [self._release(request) for request in self._placements.end_batch_if_done(worker)]
 
     def _release(self, request: Request) -> FinishedRequest:
         del self._requests[request.request_id]
@@ -315,11 +303,6 @@ class Scheduler:
             if best is None or key > best_key:
                 best, best_key = candidate, key
         return best is worker
-
-
-def _worker_id(request: Request) -> str:
-    assert request.worker_id is not None
-    return request.worker_id
 
 
 def _arrival_seq(request: Request) -> int:

@@ -132,6 +132,10 @@ class ArrivalOrderPolicyBase:
         """Add a waiting request."""
         self._queue.push(request)
 
+    def dequeue(self, request: Request) -> None:
+        """Take out the head ``fill`` just chose."""
+        self._queue.pop(request)
+
     def discard(self, request: Request) -> None:
         """Forget a cancelled waiting request."""
         self._queue.discard(request)

@@ -1,15 +1,16 @@
 """Building one StepPlan: the block-exact mechanics every policy shares.
 
 A policy decides *who* runs; the builder does the bookkeeping of *running*
-them: placing a request on the worker, allocating K/V blocks on demand (check
-then act: ``can_decode``/``decode``, ``num_prefill_fits``/``prefill``,
-``can_reserve``/``reserve``), and preempting.
+them: placing a request on the worker and preempting it (both through
+``Placements.move``), allocating K/V blocks on demand (check then act:
+``can_decode``/``decode``, ``num_prefill_fits``/``prefill``,
+``can_reserve``/``reserve``).
 """
 
 from __future__ import annotations
 
+from scheduler_actor.placement import Placements
 from scheduler_actor.request import Request, RequestStatus
-from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.worker_state import WorkerState
 from shared.messages import PrefillChunk, RequestSpec, StepPlan
 
@@ -22,31 +23,26 @@ class PlanBuilder:
         "epoch",
         "new_requests",
         "num_new_tokens",
+        "placements",
         "prefill_chunks",
-        "released_request_ids",
         "scheduled",
         "scheduled_ids",
         "step_index",
-        "tenants",
         "worker",
     )
 
     def __init__(
-        self, worker: WorkerState, step_index: int, epoch: int, tenants: TenantLedger
+        self, worker: WorkerState, step_index: int, epoch: int, placements: Placements
     ) -> None:
         self.worker = worker
-        # Told of every placement and preemption at once, so a policy's next
-        # `can_run` in the same step already counts them.
-        self.tenants = tenants
+        # Every placement and preemption is recorded at once, so a policy's
+        # next `can_run` (or VTC counter) in the same step already counts it.
+        self.placements = placements
         self.step_index = step_index
         self.epoch = epoch
         self.new_requests: list[RequestSpec] = []
         self.prefill_chunks: list[PrefillChunk] = []
         self.decode_request_ids: list[str] = []
-        # Cancels since the last plan: the ledger already freed their blocks,
-        # which is exact because the worker releases before running this step.
-        self.released_request_ids: list[str] = worker.pending_release_ids
-        worker.pending_release_ids = []
         self.scheduled: list[Request] = []
         self.scheduled_ids: set[str] = set()
         self.num_new_tokens = 0
@@ -59,12 +55,7 @@ class PlanBuilder:
     def place(self, request: Request) -> None:
         """Put a waiting request on this worker; its context is recomputed from
         the prompt plus whatever it generated before."""
-        assert request.status is RequestStatus.WAITING
-        request.status = RequestStatus.PLACED
-        request.worker_id = self.worker.worker_id
-        request.context_ids = request.prompt_ids + request.generated_ids
-        self.worker.placed[request.request_id] = request
-        self.tenants.placed(request.tenant)
+        self.placements.move(request, self.worker)
         self.new_requests.append(
             RequestSpec(
                 request_id=request.request_id,
@@ -125,34 +116,33 @@ class PlanBuilder:
     def preempt(self, request: Request) -> None:
         """Take a placed request off the worker (recompute later): free its
         blocks now and tell the worker to free them before this step."""
+        assert request.status is RequestStatus.PLACED and request.worker_id == self.worker.worker_id
         assert request.num_inflight == 0 and request.request_id not in self.scheduled_ids
-        self.worker.ledger.free(request.num_blocks)
-        del self.worker.placed[request.request_id]
-        self.released_request_ids.append(request.request_id)
-        request.unplace()
+        self.placements.move(request, RequestStatus.WAITING)
         request.num_preemptions += 1
-        self.tenants.unplaced(request.tenant)
 
     def build(self) -> StepPlan | None:
         """The finished plan, or None when nothing runs (releases then wait for
         the next plan)."""
+        worker = self.worker
         if not self.scheduled:
-            self.worker.pending_release_ids = self.released_request_ids + (
-                self.worker.pending_release_ids
-            )
             return None
         for request in self.scheduled:
             request.num_inflight += 1
             request.num_iterations += 1
-        self.worker.outstanding[self.step_index] = self.scheduled
+        worker.outstanding[self.step_index] = self.scheduled
+        # Cancels and preemptions since the last plan: the ledger already
+        # freed their blocks, which is exact because the worker releases
+        # before it runs this step.
+        released_request_ids, worker.pending_release_ids = worker.pending_release_ids, []
         return StepPlan(
-            worker_id=self.worker.worker_id,
+            worker_id=worker.worker_id,
             epoch=self.epoch,
             step_index=self.step_index,
             new_requests=self.new_requests,
             prefill_chunks=self.prefill_chunks,
             decode_request_ids=self.decode_request_ids,
-            released_request_ids=self.released_request_ids,
+            released_request_ids=released_request_ids,
         )
 
     def _grow(self, request: Request, num_tokens: int) -> None:

@@ -17,7 +17,11 @@ IsPreferred = Callable[[WorkerState, Request], bool]
 
 
 class Policy(Protocol):
-    """Owns the waiting requests and decides who runs in each step."""
+    """Owns the waiting requests and decides who runs in each step.
+
+    Its waiting queue changes only through ``Placements.move`` (``enqueue``,
+    ``dequeue``, ``discard``); ``fill`` picks who runs and places them through
+    the builder."""
 
     @property
     def holds_results_until_batch_end(self) -> bool:
@@ -31,6 +35,10 @@ class Policy(Protocol):
 
     def enqueue(self, request: Request) -> None:
         """Add a waiting request (new, preempted, or from a lost worker)."""
+        ...
+
+    def dequeue(self, request: Request) -> None:
+        """Take out the waiting request ``fill`` just chose (it is being placed)."""
         ...
 
     def discard(self, request: Request) -> None:

@@ -49,6 +49,10 @@ class FairPolicy:
         """Add a waiting request to its tenant's queue."""
         self._queues.push(request)
 
+    def dequeue(self, request: Request) -> None:
+        """Take out the head ``fill`` just chose."""
+        self._queues.pop(request)
+
     def discard(self, request: Request) -> None:
         """Forget a cancelled waiting request."""
         self._queues.discard(request)
@@ -76,7 +80,6 @@ class FairPolicy:
                 if victim is None:
                     break
                 builder.preempt(victim)
-                self._queues.push(victim)
                 if victim is request:
                     break
             if request.status is RequestStatus.PLACED and builder.can_decode(request):
@@ -141,7 +144,6 @@ class FairPolicy:
             num_blocks = ledger.blocks_for(num_context_tokens)
             if num_blocks > ledger.num_free - num_pending_blocks:
                 return
-            queues.pop(request)
             builder.place(request)
             if not request.is_prompt_charged:
                 request.is_prompt_charged = True

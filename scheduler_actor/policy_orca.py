@@ -55,7 +55,6 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
                 ):
                     admitting = False
                     continue
-                queue.pop(head)
                 builder.place(head)
                 builder.reserve(head, head.num_max_context_tokens)
                 self._step(builder, head)

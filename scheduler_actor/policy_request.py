@@ -40,7 +40,6 @@ class RequestLevelPolicy(ArrivalOrderPolicyBase):
                 return
             if not builder.can_reserve(request.num_max_context_tokens):
                 return
-            queue.pop(request)
             builder.place(request)
             builder.reserve(request, request.num_max_context_tokens)
             builder.prefill(request, len(request.context_ids))

@@ -14,14 +14,16 @@ EndReason = FinishReason | Literal["error"]
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is in its life.
+    """Where a request is in its life (``placement.py`` moves it between them).
 
+    NEW: just built by ``submit``, in no queue or ledger yet.
     WAITING: in a policy's waiting queue, on no worker. PLACED: on a worker,
     which holds its K/V; it may be inside outstanding plans (``num_inflight``)
     or between iterations. FINISHED: done (or cancelled), possibly held back
     until its batch ends under ``request``.
     """
 
+    NEW = enum.auto()
     WAITING = enum.auto()
     PLACED = enum.auto()
     FINISHED = enum.auto()
@@ -29,7 +31,8 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """Mutable bookkeeping of one request; only the scheduler core changes it.
+    """Mutable bookkeeping of one request; only the scheduler core changes it
+    (its ``status`` and ``worker_id``: only ``Placements.move``).
 
     While placed, ``context_ids`` is what the worker prefills (the prompt plus
     the tokens generated before this placement: a recompute), and the
@@ -43,7 +46,7 @@ class Request:
     sampling: SamplingParams
     arrival_s: float
     arrival_seq: int
-    status: RequestStatus = RequestStatus.WAITING
+    status: RequestStatus = RequestStatus.NEW
     generated_ids: list[int] = field(default_factory=list)
     finish_reason: EndReason | None = None
     error: str = ""  # for finish_reason "error": plain text for the client
@@ -100,17 +103,6 @@ class Request:
     def wants_prefill(self) -> bool:
         """Part of the context is still to be planned."""
         return self.num_prefill_planned < len(self.context_ids)
-
-    def unplace(self) -> None:
-        """Forget the worker placement (preemption, lost worker): the next one
-        recomputes from the prompt plus the tokens generated so far."""
-        self.status = RequestStatus.WAITING
-        self.worker_id = None
-        self.context_ids = []
-        self.num_prefill_planned = 0
-        self.num_decodes_planned = 0
-        self.num_blocks = 0
-        self.num_inflight = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """Per tenant: its quotas (from its latest submit) and how many requests wait and run.
 
-Pure bookkeeping. The core and the plan builder report every move of a
-request between waiting, running (placed on a worker) and gone; the core
-asks ``can_queue`` at submit and the policies ask ``can_run`` before they
+Pure bookkeeping. ``Placements.move`` reports every move of a request
+between waiting, running (placed on a worker) and gone; the core asks
+``can_queue`` at submit and the policies ask ``can_run`` before they
 place a request, so a tenant at its ``max_in_flight`` is skipped while the
 others go on.
 """

@@ -4,7 +4,7 @@ with cancels and lost workers, checking every invariant after every plan."""
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler_actor.config import PolicyName, SchedulerConfig
@@ -113,6 +113,7 @@ def run(
                 record(scheduler.on_result(queue.popleft()))
         if config.policy is PolicyName.ORCA and num_workers == 1 and not lost_ticks:
             _check_fcfs(scheduler)
+        check_placements(scheduler)
         tick[0] += 1
     outcome.num_ticks = tick[0]
     outcome.num_preemptions = sum(item.num_preemptions for item in outcome.finished.values())
@@ -140,6 +141,39 @@ def _check_plan(scheduler, config, plan, spec_generated, num_blocks) -> None:
         context = request.prompt_ids + [1000 + i for i in range(num_generated)]
         end = chunk.start_position + len(chunk.token_ids)
         assert chunk.token_ids == context[chunk.start_position : end]
+
+
+def check_placements(scheduler: Scheduler) -> None:
+    """Every record of where the requests are agrees: each request's status and
+    worker, the workers' placed maps, held batches and block ledgers, the
+    waiting queue and the tenant ledger's counts."""
+    placed: dict[str, set[str]] = {worker_id: set() for worker_id in scheduler.workers}
+    held = {r.request_id for worker in scheduler.workers.values() for r in worker.held}
+    num_waiting: Counter[str] = Counter()
+    num_running: Counter[str] = Counter()
+    for request in scheduler.requests.values():
+        if request.status is RequestStatus.PLACED:
+            assert request.worker_id is not None
+            placed[request.worker_id].add(request.request_id)
+            num_running[request.tenant] += 1
+        elif request.status is RequestStatus.WAITING:
+            assert request.worker_id is None and request.num_blocks == 0
+            assert not request.context_ids and request.num_inflight == 0
+            num_waiting[request.tenant] += 1
+        else:  # finished, its result held until its batch ends
+            assert request.status is RequestStatus.FINISHED and request.request_id in held
+            assert request.worker_id is None
+    for worker_id, worker in scheduler.workers.items():
+        assert set(worker.placed) == placed[worker_id], worker_id
+        num_blocks = sum(r.num_blocks for r in worker.placed.values())
+        num_blocks += sum(r.num_blocks for r in worker.held)
+        assert worker.ledger.num_used == num_blocks, worker_id
+    assert scheduler.num_waiting == num_waiting.total()
+    ledger = scheduler.tenants
+    assert set(ledger.active()) == set(num_waiting) | set(num_running)
+    for tenant in ledger.active():
+        assert ledger.num_waiting(tenant) == num_waiting[tenant], tenant
+        assert ledger.num_running(tenant) == num_running[tenant], tenant
 
 
 def _check_fcfs(scheduler: Scheduler) -> None:
