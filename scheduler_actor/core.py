@@ -51,7 +51,7 @@ class Scheduler:
         self._policy = make_policy(config, self.vtc, self.tenants, self._is_preferred)
         self._requests: dict[str, Request] = {}
         self._workers: dict[str, WorkerState] = {}
-        self._placements = Placements(self._workers, self._policy, self.tenants)
+        self._placements = Placements(self._workers, self._policy, self.tenants, self.vtc)
         self._next_arrival_seq = 0
         self._next_join_seq = 0
         # One counter for all workers, so a result of a lost worker's plan
@@ -199,13 +199,8 @@ class Scheduler:
         builder = PlanBuilder(worker, self._next_step_index, self.config.epoch, self._placements)
         self._policy.fill(builder)
         plan = builder.build()
-        if plan is None:
-            return None
-        self._next_step_index += 1
-        for request in builder.scheduled:
-            if not request.is_prompt_charged:
-                request.is_prompt_charged = True
-                self.vtc.charge(request.tenant, len(request.prompt_ids), 0)
+        if plan is not None:
+            self._next_step_index += 1
         return plan
 
     def on_result(self, output: StepOutput) -> list[FinishedRequest]:

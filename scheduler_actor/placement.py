@@ -5,7 +5,8 @@ A request's placement is held in several records: its ``status`` and
 ``BlockLedger``, the policy's waiting queue, the tenant ledger's counts, and
 the releases the worker is told of before its next step. ``Placements.move``
 changes them all together, so they cannot disagree; nothing else changes
-them. See docs/scheduler.md.
+them. The prompt's VTC charge is made here too: when a request is placed for
+the first time. See docs/scheduler.md.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from scheduler_actor.request import Request, RequestStatus
 from scheduler_actor.tenant_ledger import TenantLedger
+from scheduler_actor.vtc import VirtualTokenCounter
 from scheduler_actor.worker_state import WorkerState
 
 if TYPE_CHECKING:
@@ -38,17 +40,19 @@ class KvRelease(enum.Enum):
 class Placements:
     """Moves requests between waiting, the workers and finished."""
 
-    __slots__ = ("_policy", "_tenants", "_workers")
+    __slots__ = ("_policy", "_tenants", "_vtc", "_workers")
 
     def __init__(
         self,
         workers: Mapping[str, WorkerState],
         policy: Policy,
         tenants: TenantLedger,
+        vtc: VirtualTokenCounter,
     ) -> None:
         self._workers = workers
         self._policy = policy
         self._tenants = tenants
+        self._vtc = vtc
 
     def move(
         self,
@@ -102,11 +106,17 @@ class Placements:
         return held
 
     def _place(self, request: Request, worker: WorkerState) -> None:
+        # Never run before: the first placement, where the prompt is charged.
+        # A request placed here always runs in the plan being built, so a
+        # preempted or requeued one has iterations and is never charged again.
+        is_first = request.num_iterations == 0
         request.status = RequestStatus.PLACED
         request.worker_id = worker.worker_id
         request.context_ids = request.prompt_ids + request.generated_ids
         worker.placed[request.request_id] = request
         self._tenants.placed(request.tenant)
+        if is_first:
+            self._vtc.charge(request.tenant, len(request.prompt_ids), 0)
 
     def _leave_worker(self, request: Request, kv: KvRelease) -> None:
         assert request.worker_id is not None

@@ -145,9 +145,6 @@ class FairPolicy:
             if num_blocks > ledger.num_free - num_pending_blocks:
                 return
             builder.place(request)
-            if not request.is_prompt_charged:
-                request.is_prompt_charged = True
-                self._vtc.charge(request.tenant, len(request.prompt_ids), 0)
             room = min(config.token_budget - builder.num_new_tokens, config.max_chunk_tokens)
             num_tokens = min(room, num_context_tokens)
             builder.prefill(request, num_tokens)

@@ -58,7 +58,6 @@ class Request:
     num_inflight: int = 0
     num_iterations: int = 0
     num_preemptions: int = 0
-    is_prompt_charged: bool = False
     gateway_id: str = ""
     # Workers lost (heartbeat timeout, re-join after a crash) while it was placed on them.
     num_workers_lost: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scheduler_actor.config import PolicyName, SchedulerConfig
@@ -115,6 +116,7 @@ def run(
             _check_fcfs(scheduler)
         check_placements(scheduler)
         tick[0] += 1
+    check_charges(config, jobs, outcome, scheduler.vtc.snapshot(), ran=set(spec_generated))
     outcome.num_ticks = tick[0]
     outcome.num_preemptions = sum(item.num_preemptions for item in outcome.finished.values())
     return outcome
@@ -141,6 +143,25 @@ def _check_plan(scheduler, config, plan, spec_generated, num_blocks) -> None:
         context = request.prompt_ids + [1000 + i for i in range(num_generated)]
         end = chunk.start_position + len(chunk.token_ids)
         assert chunk.token_ids == context[chunk.start_position : end]
+
+
+def check_charges(
+    config: SchedulerConfig,
+    jobs: list[Job],
+    outcome: Outcome,
+    services: Mapping[str, float],
+    ran: set[str],
+) -> None:
+    """VTC charged each request that ever ran its prompt exactly once (not again
+    when preempted or recomputed after a lost worker), and each delivered token once."""
+    expected: dict[str, float] = {}
+    for index, job in enumerate(jobs):
+        request_id = f"r{index}"
+        amount = config.w_out * len(outcome.finished[request_id].token_ids)
+        if request_id in ran:
+            amount += config.w_in * job.num_prompt_tokens
+        expected[job.tenant] = expected.get(job.tenant, 0.0) + amount
+    assert {t: s for t, s in services.items() if s} == {t: s for t, s in expected.items() if s}
 
 
 def check_placements(scheduler: Scheduler) -> None:
