@@ -115,6 +115,7 @@ def scheduler_config(settings: SchedulerSettings, epoch: int) -> SchedulerConfig
         max_batch_size=settings.max_batch_size,
         token_budget=settings.token_budget,
         max_chunk_tokens=settings.max_chunk_tokens,
+        max_waiting=settings.max_waiting,
         epoch=epoch,
     )
 
@@ -369,34 +370,29 @@ class SchedulerActor:
         self._counters.num_submitted += 1
         code: str | None = None
         reason = ""
-        is_recovered = generated_ids is not None
-        if not is_recovered and self.core.num_waiting >= self.settings.max_waiting:
-            # Not how many: other tenants' queues are none of this client's business.
-            code, reason = "queue_full", "the service is at capacity; retry later"
-        else:
-            try:
-                self.core.submit(
-                    message.request_id,
-                    message.tenant,
-                    message.prompt_ids,
-                    message.sampling,
-                    gateway_id=message.gateway_id,
-                    generated_ids=generated_ids or (),
-                    limits=message.limits,
-                    is_recovered=is_recovered,
-                )
-            except RequestTooLargeError as error:
-                code, reason = "prompt_too_long", str(error)
-            except DuplicateRequestError:
-                # The same submit again (a gateway re-sent a transaction whose reply
-                # it lost): the live request goes on, this copy is dropped.
-                _log.info("duplicate_submit_dropped", request_id=message.request_id)
-                self._ack(pipe, self.keys.requests, entry_id)
-                return
-            except InvalidRequestError as error:
-                code, reason = "invalid_request", str(error)
-            except QueueFullError as error:
-                code, reason = "queue_full", str(error)
+        try:
+            self.core.submit(
+                message.request_id,
+                message.tenant,
+                message.prompt_ids,
+                message.sampling,
+                gateway_id=message.gateway_id,
+                generated_ids=generated_ids or (),
+                limits=message.limits,
+                is_recovered=generated_ids is not None,
+            )
+        except RequestTooLargeError as error:
+            code, reason = "prompt_too_long", str(error)
+        except DuplicateRequestError:
+            # The same submit again (a gateway re-sent a transaction whose reply
+            # it lost): the live request goes on, this copy is dropped.
+            _log.info("duplicate_submit_dropped", request_id=message.request_id)
+            self._ack(pipe, self.keys.requests, entry_id)
+            return
+        except InvalidRequestError as error:
+            code, reason = "invalid_request", str(error)
+        except QueueFullError as error:
+            code, reason = "queue_full", str(error)
         if code is not None:
             self._counters.num_rejected += 1
             _log.info("request_rejected", request_id=message.request_id, code=code, reason=reason)

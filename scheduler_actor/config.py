@@ -27,7 +27,9 @@ class SchedulerConfig:
     token; ``tenant_weights`` divides them (missing tenants weigh 1) until a
     submit carries the tenant's own weight, which then wins.
     ``overlap`` lets plan k+1 include requests of plan k that are certainly
-    still running.
+    still running. ``max_waiting`` caps the requests waiting for a worker, all
+    tenants together (a submit beyond it is refused with QueueFullError;
+    None: no cap); the service's is ``--max-waiting`` (10,000).
     """
 
     policy: PolicyName = PolicyName.FAIR
@@ -38,6 +40,7 @@ class SchedulerConfig:
     w_out: float = 2.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     overlap: bool = True
+    max_waiting: int | None = None
     epoch: int = 0
 
     def __post_init__(self) -> None:
@@ -47,6 +50,8 @@ class SchedulerConfig:
             raise ConfigError(f"token_budget must be >= 1, got {self.token_budget}")
         if self.max_chunk_tokens < 1:
             raise ConfigError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.w_in < 0 or self.w_out < 0 or self.w_in + self.w_out == 0:
             raise ConfigError("w_in and w_out must be >= 0 and not both 0")
         for tenant, weight in self.tenant_weights.items():

@@ -86,12 +86,13 @@ class Scheduler:
     ) -> None:
         """Accept a request; raises InvalidRequestError, DuplicateRequestError,
         when workers have joined and none could ever hold prompt + max_tokens,
-        RequestTooLargeError, and QueueFullError when the tenant already has
-        ``limits.max_queued`` requests waiting. ``limits`` become the tenant's
-        weight and quotas from now on (without them, the configured ones stay).
-        ``generated_ids``: tokens already sent to the client (a request
-        recovered by a new scheduler); it continues after them. A recovered
-        request was accepted once already: no queue limit refuses it again."""
+        RequestTooLargeError, and QueueFullError when ``config.max_waiting``
+        requests wait already, or the tenant has its ``limits.max_queued``
+        waiting. ``limits`` become the tenant's weight and quotas from now on
+        (without them, the configured ones stay). ``generated_ids``: tokens
+        already sent to the client (a request recovered by a new scheduler);
+        it continues after them. A recovered request was accepted once
+        already: neither queue limit refuses it again."""
         if not prompt_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
         if sampling.max_tokens < 1:
@@ -105,6 +106,11 @@ class Scheduler:
             raise RequestTooLargeError(
                 f"request {request_id!r} needs {num_tokens} K/V slots, more than any worker has"
             )
+        # Before the tenant's limits are recorded: a tenant refused here has
+        # nothing waiting or running, and the ledger keeps no entry for it.
+        if not is_recovered and self._is_full():
+            # Not how many: other tenants' queues are none of this client's business.
+            raise QueueFullError("the service is at capacity; retry later")
         if limits is not None:
             self.vtc.set_weight(tenant, limits.weight)
             self.tenants.set_limits(tenant, limits)
@@ -284,6 +290,11 @@ class Scheduler:
             error=request.error,
             gateway_id=request.gateway_id,
         )
+
+    def _is_full(self) -> bool:
+        """Whether ``config.max_waiting`` requests wait (all tenants together)."""
+        max_waiting = self.config.max_waiting
+        return max_waiting is not None and self.num_waiting >= max_waiting
 
     def _is_preferred(self, worker: WorkerState, request: Request) -> bool:
         """Place on the worker with the most free K/V that could ever hold the

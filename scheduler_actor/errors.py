@@ -24,7 +24,8 @@ class RequestTooLargeError(SchedulerError):
 
 
 class QueueFullError(SchedulerError):
-    """The tenant already has its ``max_queued`` requests waiting; retry later."""
+    """``max_waiting`` requests wait already, or the tenant has its
+    ``max_queued`` waiting; retry later."""
 
 
 class UnknownWorkerError(SchedulerError, KeyError):

@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-inflight", type=int, default=2)
     parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="refuse a submit beyond this many waiting requests, as the scheduler's "
+        "--max-waiting does (default: no cap)",
+    )
+    parser.add_argument(
         "--tenant-duration-s",
         type=float,
         default=None,
@@ -77,6 +84,7 @@ def _config(args: argparse.Namespace, policy: PolicyName) -> SchedulerConfig:
         max_batch_size=args.max_batch_size,
         token_budget=args.token_budget,
         max_chunk_tokens=args.token_budget,
+        max_waiting=args.max_waiting,
     )
 
 
@@ -192,6 +200,8 @@ def main(argv: list[str]) -> int:
         cost_model = _cost_model(args)
         policies = [PolicyName(name).value for name in args.policies.split(",")]
         rates = _rates(args, cost_model)
+        if args.max_waiting is not None and args.max_waiting < 1:
+            raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     except (ConfigError, ValueError) as error:
         print(f"orcapod simulate: {error}")
         return 2
@@ -199,7 +209,8 @@ def main(argv: list[str]) -> int:
     started_s = time.perf_counter()
     rows = []
     print(
-        f"{'policy':<8} {'rate':>6} {'req/s':>7} {'tok/s':>8} {'p50 s/tok':>10} {'p99 s/tok':>10}"
+        f"{'policy':<8} {'rate':>6} {'req/s':>7} {'tok/s':>8} {'p50 s/tok':>10} "
+        f"{'p99 s/tok':>10} {'refused':>7}"
     )
     for policy in policies:
         config = _config(args, PolicyName(policy))
@@ -211,7 +222,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"{policy:<8} {rate:>6.2f} {row['throughput_rps']:>7.2f} "
                 f"{row['throughput_tps']:>8.1f} {row['latency_p50_s_per_token']:>10.4f} "
-                f"{row['latency_p99_s_per_token']:>10.4f}"
+                f"{row['latency_p99_s_per_token']:>10.4f} {row['num_refused']:>7}"
             )
     headline = _headline(rows, policies)
     mean_context = ORCA_MEAN_PROMPT_TOKENS + ORCA_MEAN_OUTPUT_TOKENS / 2

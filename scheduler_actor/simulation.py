@@ -3,7 +3,9 @@
 Pure and deterministic: the trace comes from a seeded generator, step times
 from a CostModel, and the scheduler's clock is the simulation's clock. Plans
 are issued as soon as a worker has room (``max_inflight``), so with overlap
-plan k+1 waits on the worker while plan k runs.
+plan k+1 waits on the worker while plan k runs. Admission is the core's, as
+in the service: a submit beyond ``config.max_waiting``, or beyond a tenant's
+``max_queued`` (``tenant_limits``), is refused and recorded.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ import math
 import random
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.core import Scheduler
 from scheduler_actor.cost_model import CostModel
+from scheduler_actor.errors import QueueFullError
 from scheduler_actor.request import FinishedRequest
 from scheduler_actor.sim_worker import SimulatedWorker
-from shared.messages import SamplingParams, StepOutput, StepPlan
+from shared.messages import SamplingParams, StepOutput, StepPlan, TenantLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,8 @@ class SimulationResult:
     busy_s: float
     end_s: float
     service_samples: list[tuple[float, dict[str, float]]]
+    # Requests the core refused at submit (QueueFullError), in arrival order.
+    refused_ids: list[str] = field(default_factory=list)
 
 
 def run_simulation(
@@ -76,9 +82,12 @@ def run_simulation(
     trace: list[TraceRequest],
     cluster: ClusterSpec,
     sample_every_s: float = math.inf,
+    tenant_limits: Mapping[str, TenantLimits] | None = None,
 ) -> SimulationResult:
-    """Run ``trace`` to completion; EOS is ignored, so every request generates
-    exactly its max_tokens."""
+    """Run ``trace`` until every request finished or was refused; EOS is
+    ignored, so every request generates exactly its max_tokens. Each submit
+    carries its tenant's ``tenant_limits``, as the gateways' do."""
+    tenant_limits = tenant_limits or {}
     now = [0.0]
     scheduler = Scheduler(config, lambda: now[0])
     workers: dict[str, SimulatedWorker] = {}
@@ -95,11 +104,12 @@ def run_simulation(
         queues[worker_id] = deque()
     prompts: dict[int, list[int]] = {}
     finished: list[FinishedRequest] = []
+    refused_ids: list[str] = []
     samples: list[tuple[float, dict[str, float]]] = []
     next_sample_s = 0.0
     busy_s = 0.0
     next_arrival = 0
-    while len(finished) < len(trace):
+    while len(finished) + len(refused_ids) < len(trace):
         for worker_id, worker in workers.items():
             queue = queues[worker_id]
             while (plan := scheduler.next_plan(worker_id)) is not None:
@@ -118,12 +128,16 @@ def run_simulation(
             item = trace[next_arrival]
             next_arrival += 1
             prompt = prompts.setdefault(item.num_prompt_tokens, [1] * item.num_prompt_tokens)
-            scheduler.submit(
-                item.request_id,
-                item.tenant,
-                prompt,
-                SamplingParams(max_tokens=item.max_tokens, ignore_eos=True),
-            )
+            try:
+                scheduler.submit(
+                    item.request_id,
+                    item.tenant,
+                    prompt,
+                    SamplingParams(max_tokens=item.max_tokens, ignore_eos=True),
+                    limits=tenant_limits.get(item.tenant),
+                )
+            except QueueFullError:
+                refused_ids.append(item.request_id)
         else:
             assert done_id is not None
             now[0] = done_s
@@ -132,12 +146,12 @@ def run_simulation(
         while now[0] >= next_sample_s:
             samples.append((next_sample_s, dict(scheduler.vtc.snapshot())))
             next_sample_s += sample_every_s
-    return SimulationResult(finished, busy_s, now[0], samples)
+    return SimulationResult(finished, busy_s, now[0], samples, refused_ids)
 
 
 def summarize(result: SimulationResult) -> dict[str, float]:
-    """Throughput, normalized latency (end-to-end / generated tokens) and busy
-    fraction of one run."""
+    """Throughput, normalized latency (end-to-end / generated tokens), busy
+    fraction and requests refused of one run."""
     finished = result.finished
     start_s = min(record.arrival_s for record in finished)
     span_s = max(record.finish_s for record in finished) - start_s
@@ -153,4 +167,5 @@ def summarize(result: SimulationResult) -> dict[str, float]:
             min(len(normalized) - 1, int(0.99 * len(normalized)))
         ],
         "busy_fraction": result.busy_s / span_s,
+        "num_refused": len(result.refused_ids),
     }
