@@ -125,6 +125,9 @@ class PlanBuilder:
         """The finished plan, or None when nothing runs (releases then wait for
         the next plan)."""
         worker = self.worker
+        # Each request placed in this step runs in it (the prompt's VTC charge
+        # relies on it: a placed request has iterations).
+        assert all(spec.request_id in self.scheduled_ids for spec in self.new_requests)
         if not self.scheduled:
             return None
         for request in self.scheduled:
