@@ -70,12 +70,14 @@ class LoadLog:
 
 @dataclass(frozen=True)
 class FollowLog:
-    """Read request ``request_id``'s log from after ``after_entry_id`` as it grows,
-    feeding ``GatewaySession.on_log_entries``, until the request is finished here.
+    """Read request ``request_id``'s log from after ``after_entry_id``, and its
+    tokens in the journal from after ``after_journal_id``, as they grow, feeding
+    ``GatewaySession.on_log_entries``, until the request is finished here.
     Tokens of a request another gateway accepted come this way."""
 
     request_id: str
     after_entry_id: bytes
+    after_journal_id: bytes
 
 
 @dataclass(frozen=True)

@@ -427,7 +427,10 @@ class GatewaySession:
         route = self.table.route(stream.request_id)
         if not stream.finished and route is not None and route.socket_id == socket_id:
             adopted = RequestAdopted(stream.request_id, self.config.gateway_id)
-            actions += [FollowLog(stream.request_id, log.last_entry_id), PostUpstream(adopted)]
+            actions += [
+                FollowLog(stream.request_id, log.last_entry_id, log.journal_entry_id),
+                PostUpstream(adopted),
+            ]
         return actions
 
     def _stream_of_log(self, log: RequestLog, now_s: float) -> RequestStream:

@@ -73,7 +73,7 @@ from shared.redis_streams import (
     send_message,
     xadd_message,
 )
-from shared.request_log import queue_failure, queue_tokens
+from shared.request_log import queue_failure
 from shared.settings import WorkerSettings
 
 READ_BLOCK_MS = 100
@@ -126,6 +126,7 @@ class WorkerActor:
         self._num_steps = 0
         self._last_step_end_s: float | None = None
         self._commit_s = 0.0  # transaction round trips not yet added to the stats hash
+        self._last_step_index = -1  # of this epoch's plans: each must come after the last
         # Served at /metrics by the process (``__main__``) when asked to.
         self.metrics = WorkerMetrics(self.worker_id, engine.stats)
 
@@ -308,20 +309,30 @@ class WorkerActor:
     def _run_plan(self, entry: StreamEntry[StepPlan]) -> _Done:
         plan = entry.message
         if plan.epoch < self.epoch:
+            # No scheduler waits for it: no output, only the dead letter.
             _log.info("stale_plan_skipped", step_index=plan.step_index, epoch=plan.epoch)
-            return _Done(entry.entry_id, None)
+            stale = f"plan of epoch {plan.epoch}, older than the worker's {self.epoch}"
+            return _Done(entry.entry_id, None, dead_plan=(stale, encode(plan)))
         if plan.epoch > self.epoch:
             self._forget_everything(plan.epoch)
-        plan = self._release_stale_admissions(plan)
         try:
+            if plan.step_index <= self._last_step_index:
+                raise PlanError(
+                    f"step {plan.step_index} comes after step {self._last_step_index}: "
+                    "plans must come in the order they were made"
+                )
+            plan = self._release_stale_admissions(plan)
             output = self.engine.step(plan)
             step_end_s = time.perf_counter()
         except PlanError as error:
+            # Refused whole, state unchanged; the empty output tells the scheduler
+            # the step ran nothing, so it plans those requests again.
             _log.error("plan_refused", step_index=plan.step_index, error=str(error))
             empty = StepOutput(
                 worker_id=self.worker_id, epoch=plan.epoch, step_index=plan.step_index
             )
             return _Done(entry.entry_id, empty, dead_plan=(str(error), encode(plan)))
+        self._last_step_index = plan.step_index
         gateway_ids = self._gateway_ids
         for spec in plan.new_requests:
             gateway_ids[spec.request_id] = spec.gateway_id
@@ -368,6 +379,7 @@ class WorkerActor:
         self._gateway_ids.clear()
         _log.info("new_epoch", epoch=epoch, num_dropped=len(stale_ids))
         self.epoch = epoch
+        self._last_step_index = -1
 
     def _release_stale_admissions(self, plan: StepPlan) -> StepPlan:
         """A plan admits a request only when the scheduler holds no state of it here,
@@ -411,8 +423,9 @@ class WorkerActor:
                     failures += 1
 
     async def _publish_one(self, item: _Done) -> None:
-        """One step's effects in one MULTI/EXEC: the tokens a gateway sees are
-        exactly those in the request logs and in the result the scheduler reads."""
+        """One step's effects in one MULTI/EXEC, a fixed number of commands
+        whatever the batch: the tokens a gateway sees are exactly those in the
+        step's journal entry, which the scheduler reads and request logs fold."""
         stats = self.keys.stats
         pipe = self._redis.pipeline(transaction=True)
         if item.dead_plan is not None:
@@ -429,8 +442,7 @@ class WorkerActor:
             queue_failure(pipe, self.keys, ended, retention_s)
         output = item.output
         if output is not None:
-            for token in output.tokens:
-                queue_tokens(pipe, self.keys, self.worker_id, token, retention_s)
+            # The journal: this step's tokens, once, for the scheduler and the logs.
             xadd_message(pipe, self.keys.results, output, maxlen=RESULTS_STREAM_MAXLEN)
             if output.num_new_tokens:
                 pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)

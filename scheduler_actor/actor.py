@@ -198,7 +198,7 @@ class SchedulerActor:
         for entry in entries:
             # A request's submit stays pending until the request ends.
             if entry.stream != self.keys.requests:
-                queue_ack(pipe, entry.stream, entry.entry_id)
+                queue_ack(pipe, self.keys, entry.stream, entry.entry_id)
         if len(pipe):
             if self._timing.num_steps or self._timing.num_turns:
                 self._timing.queue_flush(pipe, self.keys.stats)

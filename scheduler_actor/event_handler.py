@@ -25,6 +25,7 @@ from scheduler_actor.errors import (
     RequestTooLargeError,
     SchedulerError,
 )
+from scheduler_actor.journal_retention import JournalRetention
 from scheduler_actor.live_view import LiveView
 from scheduler_actor.liveness import Liveness
 from scheduler_actor.request import FinishedRequest
@@ -35,6 +36,7 @@ from shared.messages import (
     RequestEnded,
     RequestFailed,
     RequestRejected,
+    SampledToken,
     StepOutput,
     SubmitRequest,
     WorkerJoined,
@@ -42,7 +44,7 @@ from shared.messages import (
     encode,
 )
 from shared.redis_streams import StreamEntry
-from shared.request_log import queue_end, queue_failure
+from shared.request_log import RequestLog, queue_checkpoint, queue_end, queue_failure
 from shared.settings import SchedulerSettings
 
 Event = SubmitRequest | CancelRequest | RequestAdopted | WorkerJoined | WorkerLeft | StepOutput
@@ -60,10 +62,17 @@ class SchedulerCounters:
     num_rejected: int = 0
 
 
-def queue_ack(pipe: Pipeline, stream: str, entry_id: bytes) -> None:
-    """Done with an entry: acknowledge it, and delete it so the stream stays short."""
+# A running request's tokens older than this in the journal go into its log,
+# so the journal can be trimmed past them (scheduler_actor/journal_retention.py).
+CHECKPOINT_AGE_MS = 10_000
+
+
+def queue_ack(pipe: Pipeline, keys: RedisKeys, stream: str, entry_id: bytes) -> None:
+    """Done with an entry: acknowledge it, and delete it so the stream stays
+    short; the journal (``results``) is trimmed instead (``trim_journal``)."""
     pipe.xack(stream, SCHEDULER_GROUP, entry_id)
-    pipe.xdel(stream, entry_id)
+    if stream != keys.results:
+        pipe.xdel(stream, entry_id)
 
 
 class EventHandler:
@@ -90,6 +99,7 @@ class EventHandler:
         self._clock = clock
         # Request id -> its SubmitRequest's entry, acknowledged when the request ends.
         self._submit_entry_ids: dict[str, bytes] = {}
+        self.journal = JournalRetention()
 
     @property
     def num_live_submits(self) -> int:
@@ -104,6 +114,10 @@ class EventHandler:
             self._counters.num_results += 1
             finished = core.on_result(message)
             self._live.record_output(message, len(finished))
+            live = core.requests
+            self.journal.on_entry(
+                entry.entry_id, [t.request_id for t in message.tokens if t.request_id in live]
+            )
             self._ack_finished(finished, pipe)
         elif isinstance(message, SubmitRequest):
             self.submit(entry.entry_id, message, pipe)
@@ -147,7 +161,7 @@ class EventHandler:
             # The same submit again (a gateway re-sent a transaction whose reply
             # it lost): the live request goes on, this copy is dropped.
             _log.info("duplicate_submit_dropped", request_id=message.request_id)
-            queue_ack(pipe, self._keys.requests, entry_id)
+            queue_ack(pipe, self._keys, self._keys.requests, entry_id)
             return
         except InvalidRequestError as error:
             code, reason = "invalid_request", str(error)
@@ -157,7 +171,7 @@ class EventHandler:
             self._counters.num_rejected += 1
             _log.info("request_rejected", request_id=message.request_id, code=code, reason=reason)
             self._reject(message.request_id, message.gateway_id, code, reason, pipe)
-            queue_ack(pipe, self._keys.requests, entry_id)
+            queue_ack(pipe, self._keys, self._keys.requests, entry_id)
         else:
             self._submit_entry_ids[message.request_id] = entry_id
 
@@ -190,12 +204,45 @@ class EventHandler:
             self._ack_finished(self.core.cancel(request.request_id), pipe)
         _log.warning("orphans_cancelled", gateway_id=gateway_id, num_requests=len(orphans))
 
+    def checkpoint_recovered(self, log: RequestLog, pipe: Pipeline) -> None:
+        """A recovered request's tokens go into its log (those only in the journal
+        too: this incarnation trims the journal past what it did not read)."""
+        retention_s = self._settings.redis.log_retention_s if log.is_finished else None
+        queue_checkpoint(pipe, self._keys, log.sampled_tokens(), retention_s)
+        self.journal.logged(log.request_id, len(log.token_ids))
+
+    def trim_journal(self, pipe: Pipeline) -> None:
+        """Checkpoint the running requests whose tokens hold the journal longest,
+        then trim it to the oldest entry still holding a token no log has."""
+        for request_id in self.journal.due(CHECKPOINT_AGE_MS):
+            request = self.core.requests.get(request_id)
+            if request is None:
+                self.journal.forget(request_id)
+                continue
+            num_logged = self.journal.num_logged(request_id)
+            tokens = [
+                SampledToken(request_id, token_id, index)
+                for index, token_id in enumerate(request.generated_ids)
+                if index >= num_logged
+            ]
+            queue_checkpoint(pipe, self._keys, tokens, None)
+            self.journal.logged(request_id, len(request.generated_ids))
+        trim_point = self.journal.trim_point()
+        if trim_point is not None:
+            pipe.xtrim(self._keys.results, minid=trim_point, approximate=True)
+
     def _ack_finished(self, finished: Sequence[FinishedRequest], pipe: Pipeline) -> None:
-        """Requests that ended: their submits leave the pending list."""
+        """Requests that ended: their tokens go into their logs (kept for the
+        retention from now on), in the transaction that takes their submits
+        off the pending list."""
+        retention_s = self._settings.redis.log_retention_s
         for request in finished:
+            tokens = _sampled_tokens(request, self.journal.num_logged(request.request_id))
+            queue_checkpoint(pipe, self._keys, tokens, retention_s)
+            self.journal.forget(request.request_id)
             entry_id = self._submit_entry_ids.pop(request.request_id, None)
             if entry_id is not None:
-                queue_ack(pipe, self._keys.requests, entry_id)
+                queue_ack(pipe, self._keys, self._keys.requests, entry_id)
 
     def _reject(
         self, request_id: str, gateway_id: str, code: str, reason: str, pipe: Pipeline
@@ -246,3 +293,15 @@ class EventHandler:
             ended = RequestEnded(request.request_id, num_tokens=len(request.generated_ids))
             queue_end(pipe, self._keys, ended, self._settings.redis.log_retention_s)
         self._ack_finished(self.core.cancel(message.request_id), pipe)
+
+
+def _sampled_tokens(request: FinishedRequest, num_logged: int) -> list[SampledToken]:
+    """An ended request's tokens from index ``num_logged`` on, the last one with
+    its finish reason when a token ended it."""
+    reason = request.finish_reason if request.finish_reason in ("stop", "length") else None
+    last = len(request.token_ids) - 1
+    return [
+        SampledToken(request.request_id, token_id, index, reason if index == last else None)
+        for index, token_id in enumerate(request.token_ids)
+        if index >= num_logged
+    ]

@@ -47,7 +47,8 @@ class Housekeeping:
 
     async def check_if_due(self, now: float, handler: EventHandler, pipe: Pipeline) -> bool:
         """Once every ``HOUSEKEEPING_S``: raise RedisRestartedError if Redis is a
-        new server, lose silent workers and cancel orphans (on ``pipe``).
+        new server, lose silent workers, cancel orphans, checkpoint and trim the
+        journal (on ``pipe``).
         True when it ran (the ready key is then refreshed)."""
         if now < self._next_check_s:
             return False
@@ -55,6 +56,7 @@ class Housekeeping:
         if await self._server_run_id() != self._redis_run_id:
             raise RedisRestartedError
         await self._check_heartbeats(now, handler, pipe)
+        handler.trim_journal(pipe)
         return True
 
     def refresh_ready(self, core: Scheduler, pipe: Pipeline) -> None:

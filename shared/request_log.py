@@ -1,14 +1,29 @@
-"""Each request's durable log: one Redis stream per request.
+"""Each request's durable record: its log, plus the step journal.
 
-The gateway writes the first entry (a ``RequestRecord``) in the same
-transaction that submits the request; each worker appends the tokens it
-sends (a ``TokenBatch`` per request per step) in the same transaction that
-publishes them to the gateway and reports the step to the scheduler, so the
-log holds exactly the tokens some client may have seen; a gateway that ends
-a request itself (cancel, closed socket, stop string) appends a
-``RequestEnded``; a worker or the scheduler that ends it with an error (a
-request that failed in a step, was on two lost workers, or was refused)
-appends a ``RequestFailed``. From the log alone:
+A request's tokens are written once, in the step that sampled them: the
+worker's ``StepOutput`` of that step (one entry of the ``results`` stream,
+the **journal**) carries every token of the step, in the same transaction
+that publishes them to the gateways. The journal is at once the scheduler's
+input and the durable record of every token sent. Each request's own log
+(one Redis stream per request) holds the rest:
+
+- the gateway writes the first entry (a ``RequestRecord``) in the same
+  transaction that submits the request;
+- the scheduler writes the request's tokens into its log as a *checkpoint*
+  (one ``TokenBatch`` of every token since the last one) when the request
+  ends, in the same transaction that acknowledges its submit, and while it
+  runs whenever its oldest token not yet in the log would otherwise keep
+  the journal from being trimmed (``scheduler_actor/journal_retention.py``);
+- a gateway that ends a request itself (cancel, closed socket, stop string)
+  appends a ``RequestEnded``; a worker or the scheduler that ends it with an
+  error appends a ``RequestFailed``.
+
+So a request's tokens are its log's checkpoints plus the journal entries not
+yet checkpointed, and ``read_request_logs`` folds both. The journal keeps
+every entry that holds a token not yet in its request's log (the scheduler
+trims it by MINID to the oldest such entry), so nothing is missed, and a
+token found twice (a checkpoint and the journal, or a recompute) counts once
+(by its index). From a request's record alone:
 
 - a gateway serves ``resume`` of a request another (dead) gateway accepted;
 - a gateway fills the gap pub/sub left while it was cut off from Redis;
@@ -38,8 +53,10 @@ from shared.messages import (
     RequestLogEntry,
     RequestRecord,
     SampledToken,
+    StepOutput,
     TokenBatch,
     decode_log_entry,
+    decode_step_output,
     encode,
 )
 
@@ -66,11 +83,21 @@ class RequestLog:
     failure: RequestFailed | None = None
     # The id of the last entry folded in: where following the log resumes.
     last_entry_id: bytes = b"0"
+    # The id of the last journal entry read for it: where following the journal resumes.
+    journal_entry_id: bytes = b"0-0"
+    # The log's first entry (the record) was written at this Redis time (ms):
+    # no token of the request is older in the journal.
+    submitted_ms: int = 0
 
     @property
     def request_id(self) -> str:
         """The request's id."""
         return self.record.submit.request_id
+
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether tokens may be missing: neither finished by a token nor at its limit."""
+        return self.finish_reason is None and len(self.token_ids) < self.token_limit
 
     @property
     def is_finished(self) -> bool:
@@ -103,6 +130,13 @@ class RequestLog:
             entries.append(self.failure)
         return entries
 
+    @property
+    def token_limit(self) -> int:
+        """How many tokens the request can have: its ``max_tokens``, or as many
+        as its client got when its gateway ended it."""
+        limit = self.record.submit.sampling.max_tokens
+        return limit if self.ended_after is None else min(limit, self.ended_after)
+
     def fold(self, entry_id: bytes, entry: RequestLogEntry) -> None:
         """Take one more entry of the log, in log order."""
         self.last_entry_id = entry_id
@@ -112,22 +146,31 @@ class RequestLog:
                 self.failure = entry
             return
         if isinstance(entry, RequestEnded):
-            if self.ended_after is None and entry.num_tokens < len(self.token_ids):
-                # The client saw only these; later ones reached no one.
-                del self.token_ids[entry.num_tokens :]
-                self.finish_reason = None
             if self.ended_after is None and self.finish_reason is None:
-                self.ended_after = len(self.token_ids)
+                # The client saw exactly these; later ones reached no one.
+                self.ended_after = entry.num_tokens
+                if len(self.token_ids) > entry.num_tokens:
+                    del self.token_ids[entry.num_tokens :]
             return
-        if not isinstance(entry, TokenBatch) or self.is_finished:
-            return
-        for token in entry.tokens:
+        if isinstance(entry, TokenBatch):
+            self.fold_tokens(entry.tokens)
+
+    def fold_tokens(self, tokens: Sequence[SampledToken]) -> None:
+        """Take tokens from a checkpoint or a journal entry, in any order of
+        sources: each index once, none past the last (an end recorded before
+        its tokens were checkpointed still lets them in)."""
+        for token in tokens:
+            if self.finish_reason is not None:
+                return
             # A recompute may send an index again (the same token): keep the first.
-            if token.request_id == self.request_id and token.index == len(self.token_ids):
+            if (
+                token.request_id == self.request_id
+                and token.index == len(self.token_ids)
+                and len(self.token_ids) < self.token_limit
+            ):
                 self.token_ids.append(token.token_id)
                 if token.finish_reason is not None:
                     self.finish_reason = token.finish_reason
-                    return
 
 
 def queue_record(pipe: Pipeline, keys: RedisKeys, record: RequestRecord) -> None:
@@ -137,16 +180,23 @@ def queue_record(pipe: Pipeline, keys: RedisKeys, record: RequestRecord) -> None
     pipe.expire(log_key, LIVE_TTL_S)
 
 
-def queue_tokens(
-    pipe: Pipeline, keys: RedisKeys, worker_id: str, token: SampledToken, retention_s: int
+def queue_checkpoint(
+    pipe: Pipeline,
+    keys: RedisKeys,
+    tokens: Sequence[SampledToken],
+    retention_s: int | None,
 ) -> None:
-    """Append one sent token to its request's log; the log of a finished request
-    is kept ``retention_s`` from its last token. A log that is gone (expired, or
-    a request no gateway logged) is not created again."""
-    log_key = keys.request_log(token.request_id)
-    batch = TokenBatch(worker_id=worker_id, tokens=[token])
+    """Append a request's tokens (one ``TokenBatch``: those since its last
+    checkpoint, the last one with its finish reason if it finished) to its log;
+    with ``retention_s`` the request has ended and its log goes after that long.
+    A log that is gone (expired, or a request no gateway logged) is not created
+    again."""
+    if not tokens:
+        return
+    log_key = keys.request_log(tokens[0].request_id)
+    batch = TokenBatch(worker_id="", tokens=list(tokens))
     pipe.xadd(log_key, {MESSAGE_FIELD: encode(batch)}, nomkstream=True)
-    if token.finish_reason is not None:
+    if retention_s is not None:
         pipe.expire(log_key, retention_s)
 
 
@@ -168,8 +218,9 @@ def queue_failure(pipe: Pipeline, keys: RedisKeys, failed: RequestFailed, retent
 async def read_request_log(
     redis: aioredis.Redis, keys: RedisKeys, request_id: str
 ) -> RequestLog | None:
-    """The whole log of ``request_id`` folded, or None when there is none (never
-    logged, expired, or its first entry is not a record)."""
+    """The whole record of ``request_id`` folded (its log and its tokens still
+    only in the journal), or None when it has no log (never logged, expired,
+    or its first entry is not a record)."""
     [log] = await read_request_logs(redis, keys, [request_id])
     return log
 
@@ -177,7 +228,24 @@ async def read_request_log(
 async def read_request_logs(
     redis: aioredis.Redis, keys: RedisKeys, request_ids: Sequence[str], batch_size: int = 256
 ) -> list[RequestLog | None]:
-    """``read_request_log`` of many requests, ``batch_size`` per round trip."""
+    """``read_request_log`` of many requests: their logs, ``batch_size`` per
+    round trip, then one pass over the journal for all of them, then what their
+    logs got meanwhile (the scheduler trims the journal only after it wrote
+    the trimmed tokens into the logs, so a token the pass missed is there)."""
+    logs = await _read_logs(redis, keys, request_ids, batch_size)
+    found = [log for log in logs if log is not None]
+    await fold_journal(redis, keys, found)
+    still_missing = [log for log in found if log.wants_tokens]
+    again = await _read_logs(redis, keys, [log.request_id for log in still_missing], batch_size)
+    for log, newer in zip(still_missing, again, strict=True):
+        if newer is not None:
+            log.fold_tokens(newer.sampled_tokens())
+    return logs
+
+
+async def _read_logs(
+    redis: aioredis.Redis, keys: RedisKeys, request_ids: Sequence[str], batch_size: int
+) -> list[RequestLog | None]:
     logs: list[RequestLog | None] = []
     for start in range(0, len(request_ids), batch_size):
         batch = request_ids[start : start + batch_size]
@@ -190,13 +258,63 @@ async def read_request_logs(
     return logs
 
 
+async def fold_journal(
+    redis: aioredis.Redis, keys: RedisKeys, logs: Sequence[RequestLog], page: int = 512
+) -> None:
+    """Fold into ``logs`` their tokens that are only in the journal: every
+    entry from the oldest unfinished one's submit to the journal's end, read
+    ``page`` entries per round trip. Each log's ``journal_entry_id`` becomes
+    the last entry read, where following the journal goes on."""
+    journal = keys.results
+    newest = cast(RawEntries, await redis.xrevrange(journal, count=1))
+    end_id = newest[0][0] if newest else b"0-0"
+    for log in logs:
+        log.journal_entry_id = end_id
+    unfinished = {log.request_id: log for log in logs if log.wants_tokens}
+    if not unfinished or not newest:
+        return
+    cursor = min(log.submitted_ms for log in unfinished.values())
+    next_id: bytes | str = f"{cursor}-0"
+    while True:
+        raw_entries = cast(RawEntries, await redis.xrange(journal, next_id, end_id, count=page))
+        fold_journal_entries(unfinished, raw_entries, journal)
+        if len(raw_entries) < page:
+            return
+        next_id = b"(" + raw_entries[-1][0]
+
+
+def fold_journal_entries(logs: dict[str, RequestLog], raw_entries: RawEntries, source: str) -> None:
+    """Fold the tokens of journal entries (``StepOutput``s) into the logs they
+    name, by request id; an entry that does not decode is logged and skipped."""
+    for _, output in decode_journal(raw_entries, source):
+        for token in output.tokens:
+            log = logs.get(token.request_id)
+            if log is not None:
+                log.fold_tokens((token,))
+
+
+def decode_journal(raw_entries: RawEntries, source: str) -> list[tuple[bytes, StepOutput]]:
+    """Decode raw journal entries; one that does not decode is logged and skipped
+    (the scheduler dead-letters it when it reads it first)."""
+    decoded: list[tuple[bytes, StepOutput]] = []
+    for entry_id, fields in raw_entries:
+        try:
+            data = (fields or {}).get(MESSAGE_FIELD.encode())
+            if data is None:
+                raise ValueError(f"entry has no {MESSAGE_FIELD!r} field")
+            decoded.append((entry_id, decode_step_output(data)))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
+            _log.warning("undecodable_journal_entry", source=source, error=str(error))
+    return decoded
+
+
 def _fold_log(raw_entries: RawEntries, source: str) -> RequestLog | None:
     log: RequestLog | None = None
     for entry_id, entry in decode_entries(raw_entries, source):
         if log is None:
             if not isinstance(entry, RequestRecord):
                 return None
-            log = RequestLog(record=entry, last_entry_id=entry_id)
+            log = RequestLog(record=entry, last_entry_id=entry_id, submitted_ms=_entry_ms(entry_id))
         else:
             log.fold(entry_id, entry)
     return log
@@ -215,3 +333,8 @@ def decode_entries(raw_entries: RawEntries, source: str) -> list[tuple[bytes, Re
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
             _log.warning("undecodable_log_entry", source=source, error=str(error))
     return decoded
+
+
+def _entry_ms(entry_id: bytes) -> int:
+    """The Redis time (ms) in a stream entry id ``<ms>-<seq>``."""
+    return int(entry_id.split(b"-", 1)[0])

@@ -9,17 +9,14 @@ from websockets.asyncio.client import connect
 from gateway.server import GatewayServer
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
-from shared.keys import MESSAGE_FIELD
 from shared.messages import (
     RequestAdopted,
     RequestEnded,
     RequestRecord,
     SubmitRequest,
-    TokenBatch,
-    encode,
 )
 from shared.protocol import Done, Token
-from shared.request_log import queue_record, queue_tokens, read_request_log
+from shared.request_log import queue_record, read_request_log
 from tests.conftest import RedisServer
 from tests.gateway.test_server import (
     GATEWAY_ID,
@@ -32,6 +29,7 @@ from tests.gateway.test_server import (
     send,
 )
 from tests.gateway.worker_tokens import worker_tokens
+from tests.journal import queue_journal_entry
 
 
 def test_the_log_starts_with_the_submit_and_records_a_cancel(
@@ -52,13 +50,15 @@ def test_the_log_starts_with_the_submit_and_records_a_cancel(
             assert isinstance(done, Done) and done.finish_reason == "cancelled"
             await upstream.next_cancel()
             log = await read_request_log(upstream.redis, KEYS, request_id)
-            assert log is not None and log.ended_after == 0  # no worker logged a token
+            # The client got one token; no worker wrote a journal here, so the log
+            # knows how far the client got, not the token.
+            assert log is not None and log.ended_after == 1 and log.token_ids == []
             assert 0 < await upstream.redis.ttl(KEYS.request_log(request_id)) <= 600
 
     run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
 
 
-def test_tokens_pub_sub_lost_are_read_back_from_the_log(
+def test_tokens_pub_sub_lost_are_read_back_from_the_journal(
     redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
     async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
@@ -66,11 +66,11 @@ def test_tokens_pub_sub_lost_are_read_back_from_the_log(
             request_id = await accept(socket, "a", max_tokens=9)
             await upstream.next_submit()
             tokens = worker_tokens(chat_tokenizer, request_id, "one two three four")
-            # A worker logs every token and publishes it; the first arrives...
-            log_key = KEYS.request_log(request_id)
+            # A worker journals every token and publishes it; the first arrives...
+            pipe = upstream.redis.pipeline(transaction=True)
             for token in tokens:
-                batch = TokenBatch(worker_id="w0", tokens=[token])
-                await upstream.redis.xadd(log_key, {MESSAGE_FIELD: encode(batch)})
+                queue_journal_entry(pipe, KEYS, "w0", [token])
+            await pipe.execute()
             await upstream.publish(tokens[0])
             assert isinstance(await receive(socket), Token)
             # ... the rest was published while the gateway's pub/sub connection
@@ -114,7 +114,8 @@ def test_resume_of_a_request_only_another_gateway_knew_reads_its_log(
             await accept(socket, "a", max_tokens=9)
             submit = await upstream.next_submit()
         await upstream.next_cancel()
-        # Another gateway accepted "r-elsewhere": its record and first tokens are in the log.
+        # Another gateway accepted "r-elsewhere": its record is in the log, its
+        # first tokens in the journal.
         other = RequestRecord(
             submit=SubmitRequest(
                 request_id="r-elsewhere",
@@ -129,7 +130,7 @@ def test_resume_of_a_request_only_another_gateway_knew_reads_its_log(
         pipe = upstream.redis.pipeline(transaction=True)
         queue_record(pipe, KEYS, other)
         for token in tokens[:2]:
-            queue_tokens(pipe, KEYS, "w0", token, 600)
+            queue_journal_entry(pipe, KEYS, "w0", [token])
         await pipe.execute()
         async with connect(server.url) as socket:
             await send(socket, type="resume", request_id="r-elsewhere", after_seq=0)
@@ -138,10 +139,10 @@ def test_resume_of_a_request_only_another_gateway_knew_reads_its_log(
             # The scheduler learns the request has a live gateway again (no orphan).
             adopted = await upstream.next_control()
             assert adopted == RequestAdopted("r-elsewhere", GATEWAY_ID)
-            # The rest arrives while the gateway follows the log.
+            # The rest arrives while the gateway follows the log and the journal.
             pipe = upstream.redis.pipeline(transaction=True)
             for token in tokens[2:]:
-                queue_tokens(pipe, KEYS, "w0", token, 600)
+                queue_journal_entry(pipe, KEYS, "w0", [token])
             await pipe.execute()
             rest, done = await receive_until_done(socket)
             assert [t.seq for t in rest] == list(range(2, len(tokens)))

@@ -209,7 +209,27 @@ def test_plans_of_an_old_epoch_are_skipped_and_a_new_epoch_drops_old_state(redis
         # A newer scheduler knows nothing of r0: its decode is a bad plan.
         await scheduler.send(decode(4, ["r0"], epoch=6))
         assert (await scheduler.result()).tokens == []
-        assert await redis.xlen(KEYS.dead) == 1
+        # Both the stale plan and the bad one are dead letters, with why.
+        dead = await redis.xrange(KEYS.dead)
+        assert [b"epoch 4" in fields[b"error"] for _, fields in dead] == [True, False]
+
+    run_worker(redis_server.url, model, scenario)
+
+
+def test_a_plan_out_of_order_is_refused_whole_and_the_next_one_runs(redis_server, model):
+    """A step index at or below the last one run (a replayed or reordered plan)
+    changes nothing: an empty output, a dead letter; the request goes on."""
+
+    async def scenario(redis: aioredis.Redis, scheduler: Scheduler) -> None:
+        await scheduler.joined()
+        await scheduler.send(admit(5))
+        await scheduler.send(decode(5, ["r0"]))  # the same step again
+        await scheduler.send(decode(3, ["r0"]))  # an older one
+        await scheduler.send(decode(6, ["r0"]))
+        outputs = [await scheduler.result() for _ in range(4)]
+        assert [(o.step_index, len(o.tokens)) for o in outputs] == [(5, 2), (5, 0), (3, 0), (6, 1)]
+        dead = await redis.xrange(KEYS.dead)
+        assert len(dead) == 2 and all(b"must come in the order" in f[b"error"] for _, f in dead)
 
     run_worker(redis_server.url, model, scenario)
 

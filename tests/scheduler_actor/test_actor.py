@@ -31,8 +31,9 @@ from shared.messages import (
     encode,
 )
 from shared.redis_streams import connect, send_message
-from shared.request_log import queue_record, queue_tokens, read_request_log
+from shared.request_log import queue_checkpoint, queue_record, read_request_log
 from shared.settings import RedisSettings, SchedulerSettings
+from tests.journal import queue_journal_entry
 
 KEYS = RedisKeys("test")
 GATEWAY = "gw1"
@@ -339,11 +340,13 @@ def test_a_new_incarnation_recovers_pending_requests_with_their_logged_tokens(re
     run_scenario(redis_server.url, first)
 
     async def second(redis: aioredis.Redis) -> None:
-        # Tokens sent before the crash: two of r0, both of r2 (which is thus finished).
+        # Tokens sent before the crash: two of r0 (one checkpointed into its log,
+        # one only in the journal), both of r2 (journal only; r2 is thus finished).
         pipe = redis.pipeline(transaction=True)
-        for request_id, token_ids in (("r0", [7, 8]), ("r2", [5, 6])):
-            for index, token_id in enumerate(token_ids):
-                queue_tokens(pipe, KEYS, "w-old", SampledToken(request_id, token_id, index), 600)
+        queue_checkpoint(pipe, KEYS, [SampledToken("r0", 7, 0)], None)
+        queue_journal_entry(pipe, KEYS, "w-old", [SampledToken("r0", 8, 1)])
+        r2_tokens = [SampledToken("r2", 5, 0), SampledToken("r2", 6, 1)]
+        queue_journal_entry(pipe, KEYS, "w-old", r2_tokens)
         await pipe.execute()
         await join(redis, "w1")
         plan = await PlanReader(redis, "w1").next()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared.messages import (
     RequestEnded,
+    RequestFailed,
     RequestRecord,
     SampledToken,
     SamplingParams,
@@ -58,3 +59,28 @@ def test_an_end_cuts_the_tokens_no_client_saw() -> None:
     assert log.token_ids == [10] and log.ended_after == 1 and log.is_finished
     entries = log.as_entries()
     assert isinstance(entries[-1], RequestEnded) and entries[-1].num_tokens == 1
+
+
+def test_an_end_logged_before_its_tokens_still_lets_them_in() -> None:
+    """The gateway's RequestEnded (the client got 2) can precede the scheduler's
+    checkpoint of those tokens: they still count, the third does not."""
+    log = RequestLog(record())
+    log.fold(b"1-0", RequestEnded(request_id="r", num_tokens=2))
+    assert log.is_finished and log.wants_tokens
+    log.fold(b"2-0", batch((0, 10), (1, 11), (2, 12)))
+    assert log.token_ids == [10, 11] and log.ended_after == 2 and not log.wants_tokens
+
+
+def test_tokens_before_a_failure_count_in_any_order_of_sources() -> None:
+    log = RequestLog(record())
+    log.fold(b"1-0", RequestFailed(request_id="r", code="internal", message="boom"))
+    log.fold_tokens(batch((0, 10), (1, 11)).tokens)  # found later, in the journal
+    assert log.token_ids == [10, 11] and log.failure is not None and log.is_finished
+
+
+def test_a_checkpoint_and_the_journal_overlap_without_doubling() -> None:
+    log = RequestLog(record(max_tokens=4))
+    log.fold(b"1-0", batch((0, 10), (1, 11)))  # the checkpoint
+    log.fold_tokens(batch((1, 11), (2, 12), (3, 13, "length")).tokens)  # the journal
+    assert log.token_ids == [10, 11, 12, 13] and log.finish_reason == "length"
+    assert not log.wants_tokens
