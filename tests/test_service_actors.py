@@ -86,13 +86,20 @@ def running_actors(
             sys.stderr.write(f"--- {name} log ---\n{(tmp_path / f'{name}.log').read_text()}\n")
 
 
-@pytest.fixture
+@pytest.fixture(params=["lookahead-1", "lookahead-default"])
 def service(
-    redis_server, model_dir: Path, tmp_path: Path
+    request: pytest.FixtureRequest, redis_server, model_dir: Path, tmp_path: Path
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """The scheduler and one worker."""
+    """The scheduler and one worker, which takes one plan at a time (the
+    scheduler waits for each result) or its default number ahead."""
+    worker_args = ["--max-inflight=1"] if request.param == "lookahead-1" else []
     with running_actors(
-        redis_server.url, KEYS.prefix, model_dir, tmp_path, scheduler_args=["--token-budget=48"]
+        redis_server.url,
+        KEYS.prefix,
+        model_dir,
+        tmp_path,
+        worker_args=worker_args,
+        scheduler_args=["--token-budget=48"],
     ) as processes:
         yield processes
 
