@@ -7,9 +7,10 @@ Four owned tasks in one TaskGroup, joined by two queues:
   thread-safe queue and runs them back to back, so the loop keeps doing
   Redis I/O meanwhile and no event-loop hop sits between two forward passes;
   it hands each output to the loop;
-- the *publisher* sends each step's effects in one pipelined round trip: one
-  PUBLISH of a TokenBatch per gateway, the StepOutput to the results stream,
-  the stats counters, then the XACK of the plan; it also hands each step to
+- the *publisher* sends each step's effects in one transaction of a fixed
+  number of commands: one PUBLISH of a TokenBatch per gateway, the StepOutput
+  to the results stream (the journal: every token of the step, once), the
+  XACK of the plan, and a few times a second the stats counters; it also hands each step to
   the worker's metrics (``gpu_worker/metrics.py``);
 - the *heartbeat* refreshes the worker's TTL key and re-registers when a new
   scheduler (a new epoch) starts.
@@ -41,11 +42,11 @@ from dataclasses import dataclass, field
 import msgspec
 import redis.asyncio as aioredis
 import structlog
-from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, PlanError
 from gpu_worker.metrics import WorkerMetrics
+from shared.hash_counters import HashCounters, queue_increments
 from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set
 from shared.keys import WORKER_GROUP, RedisKeys
 from shared.messages import (
@@ -79,6 +80,8 @@ from shared.settings import WorkerSettings
 READ_BLOCK_MS = 100
 READ_COUNT = 16
 SUMMARY_EVERY_STEPS = 200
+# Longest the stats hash lags behind the steps at saturation.
+STATS_INTERVAL_S = 0.25
 # Upper edges (µs) of the histogram of gaps between consecutive forward passes
 # that the stats hash keeps, so a benchmark can read the gap's median.
 STEP_GAP_EDGES_US = (100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000, 10_000, 100_000)
@@ -125,7 +128,9 @@ class WorkerActor:
         self._window_busy_s = 0.0
         self._num_steps = 0
         self._last_step_end_s: float | None = None
-        self._commit_s = 0.0  # transaction round trips not yet added to the stats hash
+        self._stats = HashCounters(STATS_INTERVAL_S)
+        # The engine thread's queue of plans (set while running): empty means idle.
+        self._plans_waiting: queue.SimpleQueue[_Received | None] | None = None
         self._last_step_index = -1  # of this epoch's plans: each must come after the last
         # Served at /metrics by the process (``__main__``) when asked to.
         self.metrics = WorkerMetrics(self.worker_id, engine.stats)
@@ -172,6 +177,7 @@ class WorkerActor:
         """Register, serve plans until ``stop`` is set, then leave."""
         await self.register()
         plans: queue.SimpleQueue[_Received | None] = queue.SimpleQueue()
+        self._plans_waiting = plans
         done: asyncio.Queue[_Done | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tasks:
@@ -352,7 +358,7 @@ class WorkerActor:
                 request_ids=[f.request_id for _, f in failures],
                 errors=[f.message for _, f in failures],
             )
-        self._count(output)
+        self._summarize(output)
         step_gap_s = None
         if output.num_new_tokens:
             # Wall time between this forward pass and the previous one: the
@@ -406,11 +412,13 @@ class WorkerActor:
         while (item := await done.get()) is not None:
             if item.output is not None:
                 self.metrics.observe_step(item.output, item.num_requests)
+                self._count(item.output, item)
             while True:
                 try:
                     sent_at = time.perf_counter()
                     await self._publish_one(item)
-                    self._commit_s += time.perf_counter() - sent_at
+                    # Round trips of the steps' transactions.
+                    self._stats.add(f"{self.worker_id}:commit_s", time.perf_counter() - sent_at)
                     failures = 0
                     break
                 except (RedisError, OSError) as error:
@@ -426,7 +434,6 @@ class WorkerActor:
         """One step's effects in one MULTI/EXEC, a fixed number of commands
         whatever the batch: the tokens a gateway sees are exactly those in the
         step's journal entry, which the scheduler reads and request logs fold."""
-        stats = self.keys.stats
         pipe = self._redis.pipeline(transaction=True)
         if item.dead_plan is not None:
             error, data = item.dead_plan
@@ -444,31 +451,36 @@ class WorkerActor:
         if output is not None:
             # The journal: this step's tokens, once, for the scheduler and the logs.
             xadd_message(pipe, self.keys.results, output, maxlen=RESULTS_STREAM_MAXLEN)
-            if output.num_new_tokens:
-                pipe.hincrbyfloat(stats, f"{self.worker_id}:busy_s", output.step_ms / 1000)
-                pipe.hincrby(stats, f"{self.worker_id}:num_steps", 1)
-                pipe.hincrby(stats, f"{self.worker_id}:num_tokens", output.num_new_tokens)
-                pipe.hincrby(stats, f"{self.worker_id}:num_requests", item.num_requests)
-            if item.step_gap_s is not None:
-                self._count_gap(pipe, item.step_gap_s)
-        if self._commit_s:
-            # Round trips of the earlier steps' transactions (this one's is not known yet).
-            pipe.hincrbyfloat(stats, f"{self.worker_id}:commit_s", self._commit_s)
-            self._commit_s = 0.0
         pipe.xack(self._plans_stream, WORKER_GROUP, item.entry_id)
         pipe.xdel(self._plans_stream, item.entry_id)
-        await pipe.execute()
+        # The stats a few times a second, and at once when no plan waits.
+        increments = self._stats.take_if_due(
+            force=self._plans_waiting is not None and self._plans_waiting.empty()
+        )
+        queue_increments(pipe, self.keys.stats, increments)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self._stats.give_back(increments)
+            raise
 
-    def _count_gap(self, pipe: Pipeline, gap_s: float) -> None:
-        """Sum, count and histogram bucket of one gap between forward passes."""
-        stats, worker_id = self.keys.stats, self.worker_id
-        gap_us = gap_s * 1e6
-        edge = next((str(edge) for edge in STEP_GAP_EDGES_US if gap_us <= edge), "inf")
-        pipe.hincrbyfloat(stats, f"{worker_id}:step_gap_s", gap_s)
-        pipe.hincrby(stats, f"{worker_id}:num_step_gaps", 1)
-        pipe.hincrby(stats, f"{worker_id}:step_gap_le_us:{edge}", 1)
+    def _count(self, output: StepOutput, item: _Done) -> None:
+        """The step's stats-hash counters (sent with this or a later step's transaction)."""
+        stats, worker_id = self._stats, self.worker_id
+        if output.num_new_tokens:
+            stats.add(f"{worker_id}:busy_s", output.step_ms / 1000)
+            stats.add(f"{worker_id}:num_steps", 1)
+            stats.add(f"{worker_id}:num_tokens", output.num_new_tokens)
+            stats.add(f"{worker_id}:num_requests", item.num_requests)
+        if item.step_gap_s is not None:
+            # Sum, count and histogram bucket of one gap between forward passes.
+            gap_us = item.step_gap_s * 1e6
+            edge = next((str(edge) for edge in STEP_GAP_EDGES_US if gap_us <= edge), "inf")
+            stats.add(f"{worker_id}:step_gap_s", item.step_gap_s)
+            stats.add(f"{worker_id}:num_step_gaps", 1)
+            stats.add(f"{worker_id}:step_gap_le_us:{edge}", 1)
 
-    def _count(self, output: StepOutput) -> None:
+    def _summarize(self, output: StepOutput) -> None:
         """The hot loop's log: one summary line every SUMMARY_EVERY_STEPS steps."""
         if not output.num_new_tokens:
             return

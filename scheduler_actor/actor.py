@@ -48,6 +48,8 @@ from shared.settings import SchedulerSettings
 READ_BLOCK_MS = 100
 READ_COUNT = 1024
 SUMMARY_EVERY_S = 10.0
+# How often the step-timing sums go to the stats hash.
+TIMING_FLUSH_S = 0.25
 CONSUMER_NAME = "scheduler"
 
 _log = structlog.get_logger(__name__)
@@ -87,6 +89,7 @@ class SchedulerActor:
         self.metrics = SchedulerMetrics()
         self._live = LiveView()
         self._timing = StepTimingTotals()
+        self._next_timing_flush_s = 0.0
         self._epoch = 0
         self._decoders = {
             # Results first: they free capacity the other events may use.
@@ -200,7 +203,9 @@ class SchedulerActor:
             if entry.stream != self.keys.requests:
                 queue_ack(pipe, self.keys, entry.stream, entry.entry_id)
         if len(pipe):
-            if self._timing.num_steps or self._timing.num_turns:
+            if now >= self._next_timing_flush_s:
+                # A few times a second: the sums are for benchmarks, not per turn.
+                self._next_timing_flush_s = now + TIMING_FLUSH_S
                 self._timing.queue_flush(pipe, self.keys.stats)
             work_s = time.perf_counter() - work_started
             await pipe.execute()
