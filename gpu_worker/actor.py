@@ -129,8 +129,8 @@ class WorkerActor:
         self._num_steps = 0
         self._last_step_end_s: float | None = None
         self._stats = HashCounters(STATS_INTERVAL_S)
-        # The engine thread's queue of plans (set while running): empty means idle.
-        self._plans_waiting: queue.SimpleQueue[_Received | None] | None = None
+        # Whether the engine thread is running a plan (written by that thread only).
+        self._engine_busy = False
         self._last_step_index = -1  # of this epoch's plans: each must come after the last
         # Served at /metrics by the process (``__main__``) when asked to.
         self.metrics = WorkerMetrics(self.worker_id, engine.stats)
@@ -177,7 +177,6 @@ class WorkerActor:
         """Register, serve plans until ``stop`` is set, then leave."""
         await self.register()
         plans: queue.SimpleQueue[_Received | None] = queue.SimpleQueue()
-        self._plans_waiting = plans
         done: asyncio.Queue[_Done | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tasks:
@@ -259,6 +258,7 @@ class WorkerActor:
         """The engine thread: run plans in order until the reader ends the queue."""
         try:
             while (received := plans.get()) is not None and not stop.is_set():
+                self._engine_busy = True
                 started_at = time.time()
                 item = self._run_plan_or_fail(received.entry)
                 if item.output is not None and item.output.num_new_tokens:
@@ -270,6 +270,7 @@ class WorkerActor:
                         forward_s=item.output.step_ms / 1000,
                     )
                     item.output = msgspec.structs.replace(item.output, timing=timing)
+                self._engine_busy = False
                 loop.call_soon_threadsafe(done.put_nowait, item)
         finally:
             # Plans left unrun stay pending; the scheduler recomputes their requests.
@@ -453,10 +454,8 @@ class WorkerActor:
             xadd_message(pipe, self.keys.results, output, maxlen=RESULTS_STREAM_MAXLEN)
         pipe.xack(self._plans_stream, WORKER_GROUP, item.entry_id)
         pipe.xdel(self._plans_stream, item.entry_id)
-        # The stats a few times a second, and at once when no plan waits.
-        increments = self._stats.take_if_due(
-            force=self._plans_waiting is not None and self._plans_waiting.empty()
-        )
+        # The stats a few times a second, and at once when the engine is idle.
+        increments = self._stats.take_if_due(force=not self._engine_busy)
         queue_increments(pipe, self.keys.stats, increments)
         try:
             await pipe.execute()
