@@ -109,7 +109,7 @@ STEP_SEGMENTS = ("plan_transit_s", "plan_queued_s", "worker_host_s", "forward_s"
                  "result_transit_s")  # fmt: skip
 TURN_SEGMENTS = ("turn_s", "turn_commit_s")
 NET_BYTES = ("total_net_input_bytes", "total_net_output_bytes")
-ROLES = ("worker", "gateway", "scheduler", "redis", "launcher", "load generator")
+ROLES = ("engine", "worker", "gateway", "scheduler", "redis", "launcher", "load generator")
 Row = dict[str, Any]
 
 
@@ -421,6 +421,9 @@ def role_of(pid: int, root_pid: int) -> str | None:
     # redis-server rewrites its title: "/usr/bin/redis-server 127.0.0.1:PORT".
     if words and "redis-server" in words[0]:
         return "redis"
+    # The worker's engine process (gpu_worker/engine_host.py), spawned by multiprocessing.
+    if any("multiprocessing.spawn" in word for word in words):
+        return "engine"
     modules = {"gpu_worker": "worker", "gateway": "gateway", "scheduler_actor": "scheduler",
                "orcapod": "launcher"}  # fmt: skip
     for flag, module in itertools.pairwise(words):

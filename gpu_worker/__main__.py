@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from gpu_worker.actor import WorkerActor
-from gpu_worker.engine import Engine, load_model
-from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.engine_host import EngineHost, EngineProcess, EngineThread, build_engine
 from gpu_worker.quantized_linear import WEIGHT_FORMATS
 from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.metrics_http import run_with_metrics
@@ -62,6 +61,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         "default: not served)",
     )
     parser.add_argument("--metrics-host", default=DEFAULTS["metrics_host"])
+    parser.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine on a thread of this process, not in a process of its own "
+        "(which keeps its Python from waiting on the Redis loop's GIL)",
+    )
     args = parser.parse_args(argv)
     return WorkerSettings(
         redis=redis_settings_from_args(args),
@@ -79,33 +84,15 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         cuda_graphs=args.cuda_graphs,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        engine_process=not args.engine_thread,
     )
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
-    """The model on its device and a K/V pool of the configured size."""
-    model = load_model(
-        settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
-    )
-    budget = KVCacheBudget(
-        num_bytes=settings.kv_cache_bytes,
-        fraction=settings.kv_cache_fraction,
-        block_size=settings.block_size,
-    )
-    return Engine(
-        model,
-        budget,
-        settings.attention_backend,
-        worker_id=settings.worker_id,
-        use_cuda_graphs=settings.cuda_graphs,
-    )
-
-
-async def serve(settings: WorkerSettings, engine: Engine) -> None:
+async def serve(settings: WorkerSettings, host: EngineHost) -> None:
     """Run the actor (and its metrics server, when asked) until a signal asks it to stop."""
     stop = stop_on_signals()
     redis = connect(settings.redis.url)
-    actor = WorkerActor(settings, redis, engine)
+    actor = WorkerActor(settings, redis, host)
     try:
         await run_with_metrics(
             actor.run(stop), actor.metrics.registry, settings.metrics_host, settings.metrics_port
@@ -119,8 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(argv)
     log = configure_logging("worker")
     log.info("loading_model", model_dir=str(settings.model.model_dir), worker_id=settings.worker_id)
-    engine = build_engine(settings)
-    return run_actor("python -m gpu_worker", serve(settings, engine))
+    host: EngineHost
+    if settings.engine_process:
+        host = EngineProcess(settings)  # loads the model in the child, at start
+    else:
+        host = EngineThread(build_engine(settings), settings.worker_id)
+    return run_actor("python -m gpu_worker", serve(settings, host))
 
 
 if __name__ == "__main__":

@@ -165,6 +165,9 @@ class WorkerSettings:
     max_inflight: int = 2
     heartbeat_s: float = 1.0
     cuda_graphs: bool = False
+    # The engine in a process of its own (its own GIL), or on a thread of the
+    # worker's (gpu_worker/engine_host.py).
+    engine_process: bool = True
     # Prometheus metrics at http://metrics_host:metrics_port/metrics; None: not served.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None

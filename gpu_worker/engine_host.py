@@ -1,0 +1,321 @@
+"""Where a worker's engine runs: a thread of the worker's process, or a
+process of its own.
+
+The worker's event loop (Redis I/O: reading plans, publishing steps) and the
+engine's step loop are both Python, and in one process they share one GIL:
+on a CPU, or beside a GPU with a small model, the engine's host work waits
+for the loop's and a forward pass takes up to twice as long as alone
+(``bench/control_plane.py``). So ``python -m gpu_worker`` runs the engine in a
+child process (``EngineProcess``: spawned, the model loaded there, plans in
+and ``StepDone``s out over a pipe as MessagePack, dying with its parent); the
+in-process ``EngineThread`` serves tests and tools that hold an ``Engine``.
+
+Both run a ``PlanRunner`` over the plans in the order submitted and hand each
+``StepDone`` to the loop; ``num_in_flight`` counts plans submitted and not
+yet done (0: the engine is idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import queue
+import signal
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import msgspec
+import structlog
+
+from gpu_worker.engine import Engine, EngineStats, load_model
+from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.plan_runner import PlanRunner, StepDone
+from shared.messages import StepPlan
+from shared.settings import WorkerSettings
+
+_log = structlog.get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+# What the engine process starts with unless the worker's environment says
+# otherwise. OpenMP threads that spin at a barrier (libgomp's default) burn the
+# core a descheduled peer needs: beside the gateway, the scheduler and Redis on
+# the same few cores, a forward pass then took 4x as long under a tokenizing
+# load (tests/adversarial/test_event_loop.py); sleeping costs nothing measurable
+# when the engine has the cores to itself.
+CHILD_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextlib.contextmanager
+def _child_environment(defaults: dict[str, str]) -> Iterator[None]:
+    """``defaults`` in the environment a child spawned now inherits (values
+    already set win), then the environment as it was."""
+    added = {name: value for name, value in defaults.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+class PlanJob(msgspec.Struct, frozen=True):
+    """One plan for the engine, as read (``received_at``: ``time.time()``)."""
+
+    entry_id: bytes
+    plan: StepPlan
+    received_at: float
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
+    """The engine process loaded its model: its K/V pool's shape."""
+
+    num_blocks: int
+    block_size: int
+
+
+class EngineFailed(msgspec.Struct, frozen=True, tag="failed"):
+    """The engine process could not start (the model did not load)."""
+
+    message: str
+
+
+class EngineProcessDied(RuntimeError):
+    """The engine process ended without being asked to."""
+
+
+_FROM_CHILD = msgspec.msgpack.Decoder(EngineReady | EngineFailed)
+_JOB = msgspec.msgpack.Decoder(PlanJob | None)
+_DONE = msgspec.msgpack.Decoder(StepDone)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class EngineHost(Protocol):
+    """What the worker actor needs of where its engine runs."""
+
+    num_blocks: int
+    block_size: int
+    stats: EngineStats
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans submitted and not yet done."""
+        ...
+
+    async def start(self) -> None:
+        """Be ready to take plans (a process loads its model first)."""
+        ...
+
+    def submit(self, job: PlanJob) -> None:
+        """Queue one plan; never blocks the loop for long."""
+        ...
+
+    async def run(self, stop: asyncio.Event, done: asyncio.Queue[StepDone | None]) -> None:
+        """Run the submitted plans in order into ``done`` until ``close`` (or
+        ``stop``: plans not yet started stay unrun); ``done`` then gets None."""
+        ...
+
+    def close(self) -> None:
+        """No more plans."""
+        ...
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    """The model on its device and a K/V pool of the configured size."""
+    model = load_model(
+        settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
+    )
+    budget = KVCacheBudget(
+        num_bytes=settings.kv_cache_bytes,
+        fraction=settings.kv_cache_fraction,
+        block_size=settings.block_size,
+    )
+    return Engine(
+        model,
+        budget,
+        settings.attention_backend,
+        worker_id=settings.worker_id,
+        use_cuda_graphs=settings.cuda_graphs,
+    )
+
+
+def _count(stats: EngineStats, done: StepDone) -> None:
+    if done.counters is not None:
+        stats.num_steps = done.counters.num_steps
+        stats.num_tokens = done.counters.num_tokens
+        stats.busy_s = done.counters.busy_s
+
+
+class EngineThread:
+    """The engine on one dedicated thread of this process."""
+
+    def __init__(self, engine: Engine, worker_id: str) -> None:
+        self.engine = engine
+        self.num_blocks = engine.num_blocks
+        self.block_size = engine.block_size
+        self.stats = engine.stats
+        self._runner = PlanRunner(engine, worker_id)
+        self._jobs: queue.SimpleQueue[PlanJob | None] = queue.SimpleQueue()
+        self._num_submitted = 0
+        self._num_done = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans submitted and not yet done."""
+        return self._num_submitted - self._num_done
+
+    async def start(self) -> None:
+        """Nothing to load: the engine is here."""
+
+    def submit(self, job: PlanJob) -> None:
+        """Queue one plan for the engine thread."""
+        self._num_submitted += 1
+        self._jobs.put_nowait(job)
+
+    def close(self) -> None:
+        """No more plans."""
+        self._jobs.put_nowait(None)
+
+    async def run(self, stop: asyncio.Event, done: asyncio.Queue[StepDone | None]) -> None:
+        """The engine thread, owned by this task: plans back to back."""
+        loop = asyncio.get_running_loop()
+
+        def finished(item: StepDone) -> None:
+            self._num_done += 1
+            done.put_nowait(item)
+
+        def steps() -> None:
+            try:
+                while (job := self._jobs.get()) is not None and not stop.is_set():
+                    item = self._runner.run(job.entry_id, job.plan, job.received_at)
+                    loop.call_soon_threadsafe(finished, item)
+            finally:
+                # Plans left unrun stay pending; the scheduler recomputes their requests.
+                loop.call_soon_threadsafe(done.put_nowait, None)
+
+        await asyncio.to_thread(steps)
+
+
+class EngineProcess:
+    """The engine in a child process of its own (its own GIL), fed over a pipe."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.num_blocks = 0
+        self.block_size = 0
+        self.stats = EngineStats()
+        self._context = multiprocessing.get_context("spawn")
+        self._connection, child_end = self._context.Pipe(duplex=True)
+        self._process = self._context.Process(
+            target=engine_process_main,
+            args=(settings, child_end),
+            name=f"engine-{settings.worker_id}",
+            daemon=True,
+        )
+        self._child_end = child_end
+        self._num_submitted = 0
+        self._num_done = 0
+        self._closed = False
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans submitted and not yet done."""
+        return self._num_submitted - self._num_done
+
+    async def start(self) -> None:
+        """Spawn the engine process and wait until its model is loaded."""
+        with _child_environment(CHILD_ENVIRONMENT):
+            self._process.start()
+        self._child_end.close()  # the child holds its end now
+        try:
+            data = await asyncio.to_thread(self._connection.recv_bytes)
+        except EOFError as error:
+            raise EngineProcessDied("the engine process ended while loading") from error
+        message = _FROM_CHILD.decode(data)
+        if isinstance(message, EngineFailed):
+            raise EngineProcessDied(f"the engine did not start: {message.message}")
+        self.num_blocks, self.block_size = message.num_blocks, message.block_size
+        _log.info("engine_process_started", pid=self._process.pid)
+
+    def submit(self, job: PlanJob) -> None:
+        """Send one plan to the engine process."""
+        self._num_submitted += 1
+        self._connection.send_bytes(_encoder.encode(job))
+
+    def close(self) -> None:
+        """No more plans: the engine process ends after the ones sent."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._connection.send_bytes(_encoder.encode(None))
+
+    async def run(self, stop: asyncio.Event, done: asyncio.Queue[StepDone | None]) -> None:
+        """Hand every StepDone the engine process sends to ``done`` until it ends."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            try:
+                data = self._connection.recv_bytes()
+            except (EOFError, OSError):
+                loop.remove_reader(self._connection.fileno())
+                if not ended.done():
+                    ended.set_result(None)
+                return
+            item = _DONE.decode(data)
+            self._num_done += 1
+            _count(self.stats, item)
+            done.put_nowait(item)
+
+        loop.add_reader(self._connection.fileno(), readable)
+        stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+        waiting: list[asyncio.Future[Any]] = [ended, stopping]
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done():
+                # Asked to stop: the engine ends after its current step.
+                self.close()
+                await asyncio.wait_for(asyncio.shield(ended), timeout=30)
+        finally:
+            stopping.cancel()
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(self._connection.fileno())
+            done.put_nowait(None)
+            await asyncio.to_thread(self._process.join, 10)
+        if not self._closed:
+            raise EngineProcessDied(f"the engine process exited ({self._process.exitcode})")
+
+
+def engine_process_main(settings: WorkerSettings, connection: Connection) -> None:
+    """The engine process: load the model, then run each plan sent until None."""
+    with contextlib.suppress(OSError, AttributeError):
+        # Die with the worker's shell, whatever kills it (kill -9 included).
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The shell decides when to stop; a Ctrl-C to the group must not end us first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from shared.log import configure_logging
+
+    configure_logging("worker")
+    try:
+        engine = build_engine(settings)
+    except Exception as error:  # a model that does not load: the shell reports it
+        _log.exception("engine_failed_to_start")
+        connection.send_bytes(_encoder.encode(EngineFailed(str(error))))
+        return
+    connection.send_bytes(_encoder.encode(EngineReady(engine.num_blocks, engine.block_size)))
+    runner = PlanRunner(engine, settings.worker_id)
+    while True:
+        try:
+            job = _JOB.decode(connection.recv_bytes())
+        except EOFError:
+            return
+        if job is None:
+            return
+        item = runner.run(job.entry_id, job.plan, job.received_at)
+        connection.send_bytes(_encoder.encode(item))

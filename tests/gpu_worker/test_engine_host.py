@@ -1,0 +1,119 @@
+"""The engine in a process of its own: it loads the model, runs plans sent over
+its pipe exactly as the in-process engine does, and its death ends the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine_host import (
+    EngineProcess,
+    EngineProcessDied,
+    EngineThread,
+    PlanJob,
+    _child_environment,
+)
+from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.plan_runner import StepDone
+from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+from shared.settings import RedisSettings, WorkerSettings, model_location
+from tests.gpu_worker.tiny_models import write_tiny_model
+
+KV_CACHE_BYTES = 4 << 20
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+PROMPT = [5, 9, 11, 40, 3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def _settings(model_dir: Path) -> WorkerSettings:
+    return WorkerSettings(
+        redis=RedisSettings(url="redis://127.0.0.1:1"),
+        model=model_location(model_dir=str(model_dir)),
+        worker_id="w-host",
+        device="cpu",
+        dtype="float32",
+        kv_cache_bytes=KV_CACHE_BYTES,
+    )
+
+
+def _plans() -> list[StepPlan]:
+    admit = StepPlan(
+        "w-host",
+        1,
+        0,
+        new_requests=[RequestSpec("r", len(PROMPT), GREEDY, gateway_id="gw")],
+        prefill_chunks=[PrefillChunk("r", PROMPT, 0)],
+    )
+    decodes = [StepPlan("w-host", 1, step, decode_request_ids=["r"]) for step in (1, 2, 3)]
+    return [admit, *decodes]
+
+
+async def _run(host: EngineProcess | EngineThread) -> list[StepDone]:
+    stop = asyncio.Event()
+    done: asyncio.Queue[StepDone | None] = asyncio.Queue()
+    await host.start()
+    for index, plan in enumerate(_plans()):
+        host.submit(PlanJob(f"{index}-0".encode(), plan, time.time()))
+    host.close()
+    await host.run(stop, done)
+    items = []
+    while (item := done.get_nowait()) is not None:
+        items.append(item)
+    return items
+
+
+def test_the_engine_process_runs_plans_as_the_engine_thread_does(model_dir: Path) -> None:
+    process = EngineProcess(_settings(model_dir))
+    by_process = asyncio.run(_run(process))
+    model = load_model(model_dir, device="cpu", dtype="float32")
+    engine = Engine(model, KVCacheBudget(num_bytes=KV_CACHE_BYTES), "cpu", worker_id="w-host")
+    by_thread = asyncio.run(_run(EngineThread(engine, "w-host")))
+    tokens = [[(t.index, t.token_id) for t in item.batches["gw"]] for item in by_process]
+    assert tokens == [[(t.index, t.token_id) for t in item.batches["gw"]] for item in by_thread]
+    assert [index for [(index, _)] in tokens] == [0, 1, 2, 3]
+    assert by_process[-1].batches["gw"][0].finish_reason == "length"
+    assert process.num_blocks == engine.num_blocks and process.num_in_flight == 0
+    # The shell's copy of the engine's counters follows every step.
+    assert process.stats.num_steps == 4 and process.stats.num_tokens == len(PROMPT) + 3
+
+
+def test_an_engine_process_that_dies_ends_the_worker(model_dir: Path) -> None:
+    async def scenario() -> None:
+        host = EngineProcess(_settings(model_dir))
+        await host.start()
+        done: asyncio.Queue[StepDone | None] = asyncio.Queue()
+        running = asyncio.create_task(host.run(asyncio.Event(), done))
+        pid = host._process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineProcessDied):
+            await asyncio.wait_for(running, timeout=20)
+        assert done.get_nowait() is None  # the publisher is told it is over
+
+    asyncio.run(scenario())
+
+
+def test_a_model_that_does_not_load_is_a_clear_error(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    with pytest.raises(EngineProcessDied, match="did not start"):
+        asyncio.run(EngineProcess(_settings(broken)).start())
+
+
+def test_the_child_environment_adds_defaults_without_overriding(monkeypatch) -> None:
+    monkeypatch.setenv("ORCAPOD_TEST_SET", "mine")
+    monkeypatch.delenv("ORCAPOD_TEST_UNSET", raising=False)
+    with _child_environment({"ORCAPOD_TEST_SET": "default", "ORCAPOD_TEST_UNSET": "x"}):
+        assert os.environ["ORCAPOD_TEST_SET"] == "mine"
+        assert os.environ["ORCAPOD_TEST_UNSET"] == "x"
+    assert "ORCAPOD_TEST_UNSET" not in os.environ
