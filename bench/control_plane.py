@@ -593,11 +593,16 @@ class ClosedLoopLoad:
 WORKER_ID = "worker-0"  # orcapod up's one worker
 
 
-def snapshot(client: redis.Redis, stats_key: str, load: ClosedLoopLoad) -> Snapshot:
+def snapshot(
+    client: redis.Redis, stats_key: str, timing_key: str, load: ClosedLoopLoad
+) -> Snapshot:
+    """The workers' stats hash, the scheduler's step timing (as ``timing:*``),
+    Redis's counters and every process's CPU time, now."""
     info_stats = client.info("stats")
+    timing = {f"timing:{name}": v for name, v in stats_fields(client.hgetall(timing_key)).items()}
     return Snapshot(
         at_s=time.perf_counter(),
-        stats=stats_fields(client.hgetall(stats_key)),
+        stats=stats_fields(client.hgetall(stats_key)) | timing,
         commands=command_stats(client.info("commandstats")),
         net_bytes={name: float(info_stats[name]) for name in NET_BYTES},
         cpu_s=roles_cpu_s(os.getpid()),
@@ -613,16 +618,16 @@ async def drive_service(
     num_clients = workload.batch + max(2, workload.batch // 8)
     load = ClosedLoopLoad(url, workload, num_clients)
     client = redis.Redis.from_url(redis_url)
-    stats_key = RedisKeys(DEFAULT_PREFIX).stats
+    keys = RedisKeys(DEFAULT_PREFIX)
     try:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(load.run())
             await asyncio.sleep(args.warmup_s)
             for attempt in range(1 + args.retries):
                 waited_s = await wait_until_quiet(args.wait_quiet_s)
-                before = snapshot(client, stats_key, load)
+                before = snapshot(client, keys.stats, keys.step_timing, load)
                 await asyncio.sleep(args.duration_s)
-                after = snapshot(client, stats_key, load)
+                after = snapshot(client, keys.stats, keys.step_timing, load)
                 row = service_row(before, after, WORKER_ID)
                 if load.failure or not disturbed(
                     f"batch {workload.batch}, service", row["cpu_cores"]["other"], attempt, args

@@ -206,7 +206,7 @@ class SchedulerActor:
             if now >= self._next_timing_flush_s:
                 # A few times a second: the sums are for benchmarks, not per turn.
                 self._next_timing_flush_s = now + TIMING_FLUSH_S
-                self._timing.queue_flush(pipe, self.keys.stats)
+                self._timing.queue_flush(pipe, self.keys.step_timing)
             work_s = time.perf_counter() - work_started
             await pipe.execute()
             self._timing.add_turn(work_s, time.perf_counter() - work_started - work_s)

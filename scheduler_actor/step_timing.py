@@ -2,10 +2,10 @@
 
 Every timed ``StepOutput`` (``shared/messages.py`` ``StepTiming``) adds its
 segments when the scheduler reads it; every turn adds the scheduler's own
-work and its transaction's round trip. The sums go to the stats hash under
-``timing:*`` once per turn that has something new (one HINCRBYFLOAT per
-segment), so a benchmark reads them before and after a run and divides by
-``timing:num_steps`` and ``timing:num_turns``.
+work and its transaction's round trip. The sums go to their own hash
+(``RedisKeys.step_timing``, one field per segment) a few times a second, so a
+benchmark reads them before and after a run and divides by ``num_steps`` and
+``num_turns``.
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ class StepTimingTotals:
         self.turn_commit_s += commit_s
         self.num_turns += 1
 
-    def queue_flush(self, pipe: Pipeline, stats_key: str) -> None:
-        """Add the sums to the stats hash (on ``pipe``) and start again from zero."""
+    def queue_flush(self, pipe: Pipeline, key: str) -> None:
+        """Add the sums to the hash ``key`` (on ``pipe``) and start again from zero."""
         for field in fields(self):
             value = getattr(self, field.name)
             if not value:
                 continue
             if isinstance(value, int):
-                pipe.hincrby(stats_key, f"timing:{field.name}", value)
+                pipe.hincrby(key, field.name, value)
             else:
-                pipe.hincrbyfloat(stats_key, f"timing:{field.name}", value)
+                pipe.hincrbyfloat(key, field.name, value)
             setattr(self, field.name, type(value)())

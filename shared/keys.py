@@ -56,6 +56,12 @@ class RedisKeys:
         return f"{self.prefix}:stats"
 
     @property
+    def step_timing(self) -> str:
+        """Hash: where the steps' time went, summed by the scheduler
+        (scheduler_actor/step_timing.py), for bench/control_plane.py."""
+        return f"{self.prefix}:step_timing"
+
+    @property
     def live_stats(self) -> str:
         """Key with a TTL: the scheduler's live view (shared/live_stats.py), for the dashboard."""
         return f"{self.prefix}:live"

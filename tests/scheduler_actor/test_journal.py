@@ -42,6 +42,20 @@ async def _submit_logged(redis: aioredis.Redis, request_id: str, max_tokens: int
     await send_message(redis, KEYS.requests, message)
 
 
+async def _run_steps(
+    redis: aioredis.Redis, request_id: str, max_tokens: int, num_steps: int
+) -> None:
+    """A worker joins, the request is submitted, and the worker runs ``num_steps``
+    of its plans, sending each result."""
+    await join(redis, "w1")
+    await _submit_logged(redis, request_id, max_tokens=max_tokens)
+    worker = SimulatedWorker("w1", 64, 16, CostModel())
+    plans = PlanReader(redis, "w1")
+    for _ in range(num_steps):
+        output, _ = worker.execute(await plans.next())
+        await send_message(redis, KEYS.results, output)
+
+
 async def _log_entries(redis: aioredis.Redis, request_id: str) -> RawEntries:
     entries: RawEntries = await redis.xrange(KEYS.request_log(request_id))
     return entries
@@ -49,13 +63,7 @@ async def _log_entries(redis: aioredis.Redis, request_id: str) -> RawEntries:
 
 def test_an_ended_request_is_checkpointed_and_the_journal_trimmed(redis_server):
     async def scenario(redis: aioredis.Redis) -> None:
-        await join(redis, "w1")
-        await _submit_logged(redis, "r", max_tokens=5)
-        worker = SimulatedWorker("w1", 64, 16, CostModel())
-        plans = PlanReader(redis, "w1")
-        for _ in range(5):
-            output, _ = worker.execute(await plans.next())
-            await send_message(redis, KEYS.results, output)
+        await _run_steps(redis, "r", max_tokens=5, num_steps=5)
 
         async def checkpointed() -> bool:
             return len(await _log_entries(redis, "r")) == 2  # the record, one checkpoint
@@ -81,13 +89,7 @@ def test_a_long_running_request_is_checkpointed_while_it_runs(redis_server, monk
     monkeypatch.setattr(scheduler_actor.event_handler, "CHECKPOINT_AGE_MS", 0)
 
     async def scenario(redis: aioredis.Redis) -> None:
-        await join(redis, "w1")
-        await _submit_logged(redis, "long", max_tokens=50)
-        worker = SimulatedWorker("w1", 64, 16, CostModel())
-        plans = PlanReader(redis, "w1")
-        for _ in range(6):
-            output, _ = worker.execute(await plans.next())
-            await send_message(redis, KEYS.results, output)
+        await _run_steps(redis, "long", max_tokens=50, num_steps=6)
 
         async def checkpointed() -> bool:
             return len(await _log_entries(redis, "long")) >= 2
