@@ -79,7 +79,17 @@ def test_a_frame_over_the_limit_closes_only_its_socket(service: Service) -> None
 
 
 # Keys that live as long as the service does.
-PERMANENT = ("requests", "control", "results", "dead", "epoch", "tenants", "stats", "ready")
+PERMANENT = (
+    "requests",
+    "control",
+    "results",
+    "dead",
+    "epoch",
+    "tenants",
+    "stats",
+    "step_timing",
+    "ready",
+)
 
 
 def test_every_request_key_in_redis_expires(service: Service) -> None:
