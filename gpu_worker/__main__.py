@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine_host import EngineHost, EngineProcess, EngineThread, build_engine
-from gpu_worker.quantized_linear import WEIGHT_FORMATS
 from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
 from shared.settings import (
+    WEIGHT_FORMATS,
     WorkerSettings,
     add_redis_arguments,
     default_instance_id,

@@ -38,10 +38,9 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from gpu_worker.engine import Engine
-from gpu_worker.engine_host import EngineHost, EngineThread, PlanJob
+from gpu_worker.engine_host import EngineHost, PlanJob
 from gpu_worker.metrics import WorkerMetrics
-from gpu_worker.plan_runner import StepDone
+from gpu_worker.step_done import StepDone
 from shared.hash_counters import HashCounters, queue_increments
 from shared.heartbeat import heartbeat_ttl_ms, sleep_unless_set
 from shared.keys import WORKER_GROUP, RedisKeys
@@ -82,13 +81,11 @@ _log = structlog.get_logger(__name__)
 class WorkerActor:
     """Registers an engine's K/V capacity and runs the plans the scheduler sends it."""
 
-    def __init__(
-        self, settings: WorkerSettings, redis: aioredis.Redis, engine: Engine | EngineHost
-    ) -> None:
+    def __init__(self, settings: WorkerSettings, redis: aioredis.Redis, host: EngineHost) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.keys = RedisKeys(settings.redis.prefix)
-        self.host = EngineThread(engine, self.worker_id) if isinstance(engine, Engine) else engine
+        self.host = host
         self._redis = redis
         self._plans_stream = self.keys.plans(self.worker_id)
         self._joined_epoch: int | None = None

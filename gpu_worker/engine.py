@@ -32,6 +32,7 @@ from gpu_worker.attention import (
 )
 from gpu_worker.block_allocator import blocks_for
 from gpu_worker.device import choose_device, choose_dtype
+from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import load_model_config
@@ -88,15 +89,6 @@ class _Work:
     token_ids: list[int]
     start_position: int
     samples: bool
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started."""
-
-    num_steps: int = 0
-    num_tokens: int = 0
-    busy_s: float = 0.0
 
 
 def load_model(

@@ -26,16 +26,18 @@ import queue
 import signal
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import structlog
 
-from gpu_worker.engine import Engine, EngineStats, load_model
-from gpu_worker.kv_cache import KVCacheBudget
-from gpu_worker.plan_runner import PlanRunner, StepDone
+from gpu_worker.engine_stats import EngineStats
+from gpu_worker.step_done import StepDone
 from shared.messages import StepPlan
 from shared.settings import WorkerSettings
+
+if TYPE_CHECKING:  # torch is imported where an engine runs, not in the Redis shell
+    from gpu_worker.engine import Engine
 
 _log = structlog.get_logger(__name__)
 
@@ -127,6 +129,9 @@ class EngineHost(Protocol):
 
 def build_engine(settings: WorkerSettings) -> Engine:
     """The model on its device and a K/V pool of the configured size."""
+    from gpu_worker.engine import Engine, load_model
+    from gpu_worker.kv_cache import KVCacheBudget
+
     model = load_model(
         settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
     )
@@ -159,6 +164,8 @@ class EngineThread:
         self.num_blocks = engine.num_blocks
         self.block_size = engine.block_size
         self.stats = engine.stats
+        from gpu_worker.plan_runner import PlanRunner
+
         self._runner = PlanRunner(engine, worker_id)
         self._jobs: queue.SimpleQueue[PlanJob | None] = queue.SimpleQueue()
         self._num_submitted = 0
@@ -309,6 +316,8 @@ def engine_process_main(settings: WorkerSettings, connection: Connection) -> Non
         connection.send_bytes(_encoder.encode(EngineFailed(str(error))))
         return
     connection.send_bytes(_encoder.encode(EngineReady(engine.num_blocks, engine.block_size)))
+    from gpu_worker.plan_runner import PlanRunner
+
     runner = PlanRunner(engine, settings.worker_id)
     while True:
         try:

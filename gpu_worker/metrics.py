@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpu_worker.engine import EngineStats
+from gpu_worker.engine_stats import EngineStats
 from shared.messages import StepOutput
 
 # 0.5 ms (a small decode on a GPU) to 10 s (a long prefill on a CPU).

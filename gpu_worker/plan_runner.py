@@ -22,6 +22,7 @@ import msgspec
 import structlog
 
 from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, PlanError
+from gpu_worker.step_done import EngineCounters, GatewayFailure, StepDone
 from shared.messages import (
     RequestFailure,
     SampledToken,
@@ -34,35 +35,6 @@ from shared.messages import (
 SUMMARY_EVERY_STEPS = 200
 
 _log = structlog.get_logger(__name__)
-
-
-class GatewayFailure(msgspec.Struct, frozen=True):
-    """A request that ended with an error in a step, and the gateway to tell."""
-
-    gateway_id: str
-    failure: RequestFailure
-
-
-class EngineCounters(msgspec.Struct, frozen=True):
-    """The engine's totals after a step (``EngineStats``), for the worker's metrics."""
-
-    num_steps: int
-    num_tokens: int
-    busy_s: float
-
-
-class StepDone(msgspec.Struct, frozen=True):
-    """What the publisher sends for one plan entry."""
-
-    entry_id: bytes
-    output: StepOutput | None  # None: a skipped plan, only acknowledged
-    batches: dict[str, list[SampledToken]] = {}
-    dead_error: str | None = None  # why the plan went to the dead letters, if it did
-    dead_plan: bytes | None = None  # the plan, encoded, if so
-    num_requests: int = 0  # requests in the step's forward pass (its batch size)
-    step_gap_s: float | None = None  # time outside forward passes since the previous step
-    failures: list[GatewayFailure] = []
-    counters: EngineCounters | None = None
 
 
 class PlanRunner:

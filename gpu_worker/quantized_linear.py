@@ -35,10 +35,11 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from shared.settings import WEIGHT_FORMATS
+
 if TYPE_CHECKING:
     from gpu_worker.weights import ModelWeights
 
-WEIGHT_FORMATS = ("float32", "int8", "float16")
 # Packed weights whose probe logits differ from the loaded weights' by more
 # than this (relative L2) are not used. Measured: float16 0.04 % on SmolLM2
 # and 0.03 % on the tests' tiny model; int8 26 % and 2.4 %.

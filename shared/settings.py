@@ -146,6 +146,10 @@ class SchedulerSettings:
     metrics_port: int | None = None
 
 
+# The worker's --weights choices (gpu_worker/quantized_linear.py packs them).
+WEIGHT_FORMATS = ("float32", "int8", "float16")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """One GPU worker."""

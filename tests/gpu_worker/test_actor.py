@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine_host import EngineThread
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
 from shared.keys import MESSAGE_FIELD, WORKER_GROUP, RedisKeys
@@ -120,7 +121,11 @@ def run_worker(url: str, model: LlamaModel, scenario: Scenario, heartbeat_s: flo
         stop = asyncio.Event()
         try:
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(WorkerActor(settings, worker_redis, make_engine(model)).run(stop))
+                tasks.create_task(
+                    WorkerActor(
+                        settings, worker_redis, EngineThread(make_engine(model), WORKER)
+                    ).run(stop)
+                )
                 try:
                     await asyncio.wait_for(scenario(test_redis, Scheduler(test_redis, pubsub)), 20)
                 finally:

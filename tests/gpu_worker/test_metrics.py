@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine_host import EngineThread
 from gpu_worker.llama import LlamaModel
 from gpu_worker.metrics import BusyWindow, WorkerMetrics
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
@@ -140,7 +141,7 @@ def test_the_worker_actor_reports_its_steps_over_http(redis_server, model: Llama
         )
         worker_redis, test_redis = connect(redis_server.url), connect(redis_server.url)
         pubsub = test_redis.pubsub()
-        actor = WorkerActor(settings, worker_redis, engine)
+        actor = WorkerActor(settings, worker_redis, EngineThread(engine, settings.worker_id))
         stop = asyncio.Event()
         bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
