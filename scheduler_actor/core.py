@@ -218,34 +218,35 @@ class Scheduler:
         batch = worker.outstanding.pop(output.step_index, None)
         if batch is None:
             return []
+        # Locals: this loop runs for every token of every step.
+        worker_id, placed, requests = worker.worker_id, RequestStatus.PLACED, self._requests
         for planned in batch:
-            if planned.status is RequestStatus.PLACED and planned.worker_id == worker.worker_id:
+            if planned.status is placed and planned.worker_id == worker_id:
                 planned.num_inflight -= 1
         released: list[FinishedRequest] = []
         for failure in output.failed:
-            request = self._requests.get(failure.request_id)
-            if (
-                request is not None
-                and request.status is RequestStatus.PLACED
-                and request.worker_id == worker.worker_id
-            ):
+            request = requests.get(failure.request_id)
+            if request is not None and request.status is placed and request.worker_id == worker_id:
                 released += self._fail(worker, request, failure.message)
+        # One VTC charge per tenant per step, not one per token.
+        num_tokens_by_tenant: dict[str, int] = {}
         for token in output.tokens:
-            request = self._requests.get(token.request_id)
-            if (
-                request is None
-                or request.status is not RequestStatus.PLACED
-                or request.worker_id != worker.worker_id
-                or token.index != len(request.generated_ids)
-            ):
+            request = requests.get(token.request_id)
+            if request is None or request.status is not placed or request.worker_id != worker_id:
                 continue
-            request.generated_ids.append(token.token_id)
-            self.vtc.charge(request.tenant, 0, 1)
+            generated_ids = request.generated_ids
+            if token.index != len(generated_ids):
+                continue
+            generated_ids.append(token.token_id)
+            tenant = request.tenant
+            num_tokens_by_tenant[tenant] = num_tokens_by_tenant.get(tenant, 0) + 1
             reason: FinishReason | None = token.finish_reason
-            if reason is None and len(request.generated_ids) >= request.max_tokens:
+            if reason is None and len(generated_ids) >= request.sampling.max_tokens:
                 reason = "length"
             if reason is not None:
                 released += self._finish(worker, request, reason)
+        for tenant, num_tokens in num_tokens_by_tenant.items():
+            self.vtc.charge(tenant, 0, num_tokens)
         return released
 
     def _fail(self, worker: WorkerState, request: Request, error: str) -> list[FinishedRequest]:

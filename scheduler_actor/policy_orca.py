@@ -40,10 +40,11 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
         )
         queue = self._queue
         can_run = self._tenants.can_run
-        admitting = True
+        # Only a placement changes the queue's head (or a tenant's can_run), so
+        # it is looked up once per admission, not once per placed request.
+        head = queue.peek(can_run)
         index = 0
         while builder.num_scheduled < max_batch_size:
-            head = queue.peek(can_run) if admitting else None
             if index < len(placed) and (
                 head is None or placed[index].arrival_seq < head.arrival_seq
             ):
@@ -53,11 +54,12 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
                 if not self._is_preferred(builder.worker, head) or not builder.can_reserve(
                     head.num_max_context_tokens
                 ):
-                    admitting = False
+                    head = None  # admission stops at the first reservation that fails
                     continue
                 builder.place(head)
                 builder.reserve(head, head.num_max_context_tokens)
                 self._step(builder, head)
+                head = queue.peek(can_run)
             else:
                 return
 

@@ -97,7 +97,13 @@ class Request:
     def wants_decode(self) -> bool:
         """Prefill planned and max_tokens not yet reached by planned steps: the
         request is certainly still running unless it stops on a stop token."""
-        return self.is_prefill_planned and self.num_generated_planned < self.sampling.max_tokens
+        # num_generated_planned once the prefill is planned, inlined: this runs
+        # for every placed request in every step.
+        num_context_tokens = len(self.context_ids)
+        return self.num_prefill_planned == num_context_tokens and (
+            num_context_tokens - len(self.prompt_ids) + 1 + self.num_decodes_planned
+            < self.sampling.max_tokens
+        )
 
     def wants_prefill(self) -> bool:
         """Part of the context is still to be planned."""
