@@ -26,10 +26,12 @@ class SchedulerConfig:
     does. ``w_in`` / ``w_out`` are VTC's prices of a prompt and a generated
     token; ``tenant_weights`` divides them (missing tenants weigh 1) until a
     submit carries the tenant's own weight, which then wins.
-    ``overlap`` lets plan k+1 include requests of plan k that are certainly
-    still running. ``max_waiting`` caps the requests waiting for a worker, all
-    tenants together (a submit beyond it is refused with QueueFullError;
-    None: no cap); the service's is ``--max-waiting`` (10,000).
+    ``overlap`` lets a plan include requests of the outstanding plans before
+    it that are certainly still running (up to the worker's
+    ``max_inflight``). ``max_waiting`` caps the requests waiting for a
+    worker, all tenants together (a submit beyond it is refused with
+    QueueFullError; None: no cap); the service's is ``--max-waiting``
+    (10,000).
     """
 
     policy: PolicyName = PolicyName.FAIR

@@ -202,7 +202,9 @@ class Scheduler:
             raise UnknownWorkerError(worker_id)
         if not worker.can_plan():
             return None
-        builder = PlanBuilder(worker, self._next_step_index, self.config.epoch, self._placements)
+        builder = PlanBuilder(
+            worker, self._next_step_index, self.config.epoch, self._placements, self.config.overlap
+        )
         self._policy.fill(builder)
         plan = builder.build()
         if plan is not None:

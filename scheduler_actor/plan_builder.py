@@ -21,6 +21,7 @@ class PlanBuilder:
     __slots__ = (
         "decode_request_ids",
         "epoch",
+        "max_plans_per_request",
         "new_requests",
         "num_new_tokens",
         "placements",
@@ -32,9 +33,17 @@ class PlanBuilder:
     )
 
     def __init__(
-        self, worker: WorkerState, step_index: int, epoch: int, placements: Placements
+        self,
+        worker: WorkerState,
+        step_index: int,
+        epoch: int,
+        placements: Placements,
+        overlap: bool = True,
     ) -> None:
         self.worker = worker
+        # With overlap a request may be in every outstanding plan of its
+        # worker (its lookahead); without, in one at a time.
+        self.max_plans_per_request = worker.max_inflight if overlap else 1
         # Every placement and preemption is recorded at once, so a policy's
         # next `can_run` (or VTC counter) in the same step already counts it.
         self.placements = placements
@@ -65,6 +74,10 @@ class PlanBuilder:
                 gateway_id=request.gateway_id,
             )
         )
+
+    def can_continue(self, request: Request) -> bool:
+        """Whether the request's next step may be planned in this plan."""
+        return request.can_continue(self.max_plans_per_request)
 
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` slots can be reserved up front on this worker."""

@@ -65,7 +65,6 @@ class FairPolicy:
 
     def _decodes(self, builder: PlanBuilder) -> None:
         config = self._config
-        overlap = config.overlap
         for request in list(builder.worker.placed.values()):
             if builder.num_scheduled >= config.max_batch_size:
                 return
@@ -73,7 +72,7 @@ class FairPolicy:
                 return
             if request.status is not RequestStatus.PLACED:
                 continue  # preempted earlier in this loop
-            if not (request.can_continue(overlap) and request.wants_decode()):
+            if not (builder.can_continue(request) and request.wants_decode()):
                 continue
             while not builder.can_decode(request):
                 victim = self._victim(builder)
@@ -104,7 +103,6 @@ class FairPolicy:
         """Continue placed prompts; return the blocks they still need after
         this step."""
         config = self._config
-        overlap = config.overlap
         ledger = builder.worker.ledger
         num_pending_blocks = 0
         for request in builder.worker.placed.values():
@@ -114,7 +112,7 @@ class FairPolicy:
             if (
                 room > 0
                 and builder.num_scheduled < config.max_batch_size
-                and request.can_continue(overlap)
+                and builder.can_continue(request)
                 and request.request_id not in builder.scheduled_ids
             ):
                 remaining = len(request.context_ids) - request.num_prefill_planned

@@ -25,7 +25,6 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
 
     def fill(self, builder: PlanBuilder) -> None:
         """Select(pool, n_rsrv) for one worker."""
-        overlap = self._config.overlap
         max_batch_size = self._config.max_batch_size
         # Placed requests are bounded by the batch size (times max_inflight),
         # so sorting them is O(batch), never O(pool).
@@ -33,7 +32,7 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
             (
                 request
                 for request in builder.worker.placed.values()
-                if request.can_continue(overlap)
+                if builder.can_continue(request)
                 and (request.wants_prefill() or request.wants_decode())
             ),
             key=_arrival_seq,

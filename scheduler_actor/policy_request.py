@@ -23,9 +23,8 @@ class RequestLevelPolicy(ArrivalOrderPolicyBase):
         if not worker.placed and not worker.held:
             self._form_batch(builder)
             return
-        overlap = self._config.overlap
         for request in worker.placed.values():
-            if not request.can_continue(overlap):
+            if not builder.can_continue(request):
                 continue
             if request.wants_prefill():
                 builder.prefill(request, len(request.context_ids) - request.num_prefill_planned)

@@ -88,11 +88,12 @@ class Request:
         num_before = len(self.context_ids) - len(self.prompt_ids)
         return num_before + int(self.is_prefill_planned) + self.num_decodes_planned
 
-    def can_continue(self, overlap: bool) -> bool:
-        """Whether a next step may be planned now: between iterations, or (with
-        overlap) inside exactly one outstanding plan, whose effect the worker
-        will know before it runs the next one."""
-        return self.num_inflight == 0 or (overlap and self.num_inflight == 1)
+    def can_continue(self, max_plans: int) -> bool:
+        """Whether a next step may be planned now: inside fewer than
+        ``max_plans`` outstanding plans (1: between iterations only; more:
+        overlap, the worker runs plans in order, so it knows the effect of
+        every earlier one before it runs the next)."""
+        return self.num_inflight < max_plans
 
     def wants_decode(self) -> bool:
         """Prefill planned and max_tokens not yet reached by planned steps: the

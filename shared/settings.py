@@ -166,7 +166,11 @@ class WorkerSettings:
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = 0.25
     block_size: int = 16
-    max_inflight: int = 2
+    # Plans the worker may hold at once (its lookahead): with 3, the plan for
+    # step n+2 may still be on its way while step n runs, so the control
+    # plane's round trip (result out, the scheduler's turn, plan in) has two
+    # steps to come back in, not one (bench/control_plane.py).
+    max_inflight: int = 3
     heartbeat_s: float = 1.0
     cuda_graphs: bool = False
     # The engine in a process of its own (its own GIL), or on a thread of the

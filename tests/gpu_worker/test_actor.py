@@ -169,7 +169,7 @@ def test_registers_runs_plans_and_publishes_per_gateway(redis_server, model):
         joined = await scheduler.joined()
         engine = make_engine(model)
         assert (joined.num_blocks, joined.block_size) == (engine.num_blocks, engine.block_size)
-        assert joined.max_inflight == 2
+        assert joined.max_inflight == 3
         assert await redis.exists(KEYS.worker_heartbeat(WORKER))
         # Two plans at once, as the scheduler sends them with overlap.
         await scheduler.send(admit(1))
