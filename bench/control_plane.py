@@ -2,7 +2,7 @@
 
     python bench/control_plane.py [--batch 32,64] [--duration-s 30] [--context 256]
                                   [--prompt-tokens 16] [--max-inflight N] [--threads N]
-                                  [--wait-quiet-s S] [--retries N] [--quick]
+                                  [--pin-engine] [--wait-quiet-s S] [--retries N] [--quick]
                                   [--out bench/results/control_plane.json]
 
 The model is a tiny random-weight Llama (``TINY_LLAMA``: one layer, width 64,
@@ -16,7 +16,8 @@ Per batch size B, in one run:
    load (B requests, each a ``--prompt-tokens`` prompt then ``max_tokens =
    2 * (context - prompt)`` greedy tokens, a new one admitted as one ends, so
    the mean attended context is ``--context``); then one plain decode step of
-   B requests at exactly ``--context``;
+   B requests at exactly ``--context``; once before the service and once
+   after, and the two averaged (this machine's speed drifts);
 2. **the service**: ``orcapod up`` (scheduler ``--max-batch-size B``) on a
    private Redis, driven over websockets by B + B/8 closed-loop clients (the
    extra ones wait in the scheduler's queue, so the batch stays full); over a
@@ -26,6 +27,10 @@ Per batch size B, in one run:
    process of the benchmark, and of the machine (what is left is "other":
    somebody else's work, which makes a window's numbers unreliable).
 
+``--pin-engine`` stands in for a GPU more closely: the engine (the engine
+process, and this process while it runs the engine alone) gets one CPU of
+its own and every other process of the benchmark the rest, as the device
+would be the engine's alone (use it with ``--threads 1``).
 ``--threads`` sets torch's threads here and in the worker (OMP_NUM_THREADS);
 ``--wait-quiet-s`` waits before each window for other processes to leave the
 CPUs, ``--retries`` measures a disturbed window again. Prints Markdown
@@ -401,6 +406,38 @@ def service_row(before: Snapshot, after: Snapshot, worker_id: str) -> Row:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def measure_engine_alone(
+    model_dir: Path, workload: Workload, args: argparse.Namespace, when: str
+) -> Row:
+    """One engine-alone window on a quiet machine (measured again if disturbed)."""
+    print(f"batch {workload.batch}: the engine alone ({when} the service)...", flush=True)
+    for attempt in range(1 + args.retries):
+        asyncio.run(wait_until_quiet(args.wait_quiet_s))
+        alone = engine_alone_pinned(model_dir, workload, args)
+        if not disturbed(f"batch {workload.batch}, engine alone", alone["other_cores"], attempt,
+                         args):  # fmt: skip
+            return alone
+    return alone
+
+
+def mean_row(first: Row, second: Row) -> Row:
+    """Field by field mean of two engine-alone rows."""
+    return {name: (first[name] + second[name]) / 2 for name in first}
+
+
+def engine_alone_pinned(model_dir: Path, workload: Workload, args: argparse.Namespace) -> Row:
+    """``engine_alone``, on the engine's CPU with --pin-engine (this process's own
+    affinity is given back afterwards)."""
+    if not args.cpu_split:
+        return engine_alone(model_dir, workload, args.context, args.engine_s)
+    own_cpus = frozenset(os.sched_getaffinity(0))
+    pin_process(os.getpid(), args.cpu_split.engine)
+    try:
+        return engine_alone(model_dir, workload, args.context, args.engine_s)
+    finally:
+        pin_process(os.getpid(), own_cpus)
+
+
 def _stat_fields(pid: int) -> list[str]:
     text = Path(f"/proc/{pid}/stat").read_text()
     return text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
@@ -432,8 +469,8 @@ def role_of(pid: int, root_pid: int) -> str | None:
     return None
 
 
-def roles_cpu_s(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system, every thread) of ``root_pid`` and its descendants, by role."""
+def descendants(root_pid: int) -> set[int]:
+    """``root_pid`` and every process under it."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -445,13 +482,54 @@ def roles_cpu_s(root_pid: int) -> dict[str, float]:
         found = {pid for pid, parent in parents.items() if parent in ours} - ours
         ours |= found
         grew = bool(found)
+    return ours
+
+
+def roles_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) of ``root_pid`` and its descendants, by role."""
     cpu = dict.fromkeys(ROLES, 0.0)
-    for pid in ours:
+    for pid in descendants(root_pid):
         with contextlib.suppress(OSError, ValueError, IndexError):
             role = role_of(pid, root_pid)
             if role is not None:
                 cpu[role] += process_cpu_s(pid)
     return cpu
+
+
+@dataclass(frozen=True)
+class CpuSplit:
+    """Which CPUs the engine gets and which the rest of the benchmark (--pin-engine)."""
+
+    engine: frozenset[int]
+    rest: frozenset[int]
+
+    @classmethod
+    def of_this_machine(cls) -> CpuSplit:
+        """The last CPU this process may use for the engine, the others for the rest."""
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin-engine needs at least 2 CPUs")
+        return cls(engine=frozenset(cpus[-1:]), rest=frozenset(cpus[:-1]))
+
+
+def pin_process(pid: int, cpus: frozenset[int]) -> None:
+    """Move every thread of ``pid`` to ``cpus`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def pin_service(root_pid: int, split: CpuSplit) -> dict[str, int]:
+    """The engine process on the engine's CPU; this process and every other one
+    under it on the rest. Returns how many processes of each role it moved."""
+    moved = dict.fromkeys(ROLES, 0)
+    for pid in descendants(root_pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            role = role_of(pid, root_pid)
+            if role is not None:
+                pin_process(pid, split.engine if role == "engine" else split.rest)
+                moved[role] += 1
+    return moved
 
 
 def machine_busy_s() -> float:
@@ -621,10 +699,13 @@ async def drive_service(
     keys = RedisKeys(DEFAULT_PREFIX)
     try:
         async with asyncio.TaskGroup() as tasks:
+            pinned = pin_service(os.getpid(), args.cpu_split) if args.cpu_split else None
             tasks.create_task(load.run())
             await asyncio.sleep(args.warmup_s)
             for attempt in range(1 + args.retries):
                 waited_s = await wait_until_quiet(args.wait_quiet_s)
+                if args.cpu_split:  # again: threads started since (the load's, the engine's)
+                    pinned = pin_service(os.getpid(), args.cpu_split)
                 before = snapshot(client, keys.stats, keys.step_timing, load)
                 await asyncio.sleep(args.duration_s)
                 after = snapshot(client, keys.stats, keys.step_timing, load)
@@ -639,6 +720,7 @@ async def drive_service(
     if load.failure is not None:
         raise RuntimeError(f"the load failed: {load.failure}")
     row["num_clients"] = num_clients
+    row["pinned_processes"] = pinned
     row["waited_for_quiet_s"] = waited_s
     row["errors"] = load.errors
     return row
@@ -674,12 +756,7 @@ def measure_batch(model_dir: Path, redis_url: str, batch: int, args: argparse.Na
     vocab_size = int(TINY_LLAMA["vocab_size"])
     workload = Workload(batch, args.prompt_tokens, 2 * (args.context - args.prompt_tokens),
                         vocab_size)  # fmt: skip
-    print(f"batch {batch}: the engine alone...", flush=True)
-    for attempt in range(1 + args.retries):
-        asyncio.run(wait_until_quiet(args.wait_quiet_s))
-        alone = engine_alone(model_dir, workload, args.context, args.engine_s)
-        if not disturbed(f"batch {batch}, engine alone", alone["other_cores"], attempt, args):
-            break
+    before = measure_engine_alone(model_dir, workload, args, "before")
     print(f"batch {batch}: the service...", flush=True)
     log_path = Path(args.out).with_suffix("") / f"up-batch{batch}.log"
     # Read by torch at import: the worker's intra-op threads, as set_num_threads here.
@@ -687,11 +764,16 @@ def measure_batch(model_dir: Path, redis_url: str, batch: int, args: argparse.Na
     flags = up_args(model_dir, batch, args)
     with orcapod_up(redis_url, "fair", log_path, flags, environment) as url:
         service = asyncio.run(drive_service(url, redis_url, workload, args))
+    after = measure_engine_alone(model_dir, workload, args, "after")
+    # The service's window between two of the engine's: a drift of the
+    # machine's speed over the run (other guests of its host) evens out.
+    alone = mean_row(before, after)
     return {
         "batch": batch,
         "prompt_tokens": workload.prompt_tokens,
         "max_tokens": workload.max_tokens,
         "engine_alone": alone,
+        "engine_alone_before_after": [before, after],
         "service": service,
         "ratio": service["tokens_per_s"] / alone["tokens_per_s"],
     }
@@ -778,6 +860,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="measure a window again (this many times at most) when other "
                         "processes used the CPUs during it")  # fmt: skip
     parser.add_argument("--threads", type=int, help="torch threads, here and in the worker")
+    parser.add_argument("--pin-engine", action="store_true",
+                        help="one CPU for the engine alone, the others for the rest, "
+                        "as a GPU would be (with --threads 1)")  # fmt: skip
     parser.add_argument("--cache-dir", help="where the tiny model is written (default: orcapod's)")
     parser.add_argument("--out", default="bench/results/control_plane.json")
     args = parser.parse_args(argv)
@@ -789,6 +874,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.context = args.context or (64 if quick else 256)
     if args.context <= args.prompt_tokens:
         parser.error("--context must exceed --prompt-tokens")
+    args.cpu_split = CpuSplit.of_this_machine() if args.pin_engine else None
     return args
 
 
@@ -821,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_s",
                 "max_inflight",
                 "threads",
+                "pin_engine",
                 "wait_quiet_s",
                 "retries",
             )

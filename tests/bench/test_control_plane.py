@@ -195,3 +195,42 @@ def test_this_process_is_the_load_generator_and_its_cpu_is_counted() -> None:
     cpu = cp.roles_cpu_s(os.getpid())
     assert cpu["load generator"] > 0
     assert cp.machine_busy_s() >= cpu["load generator"]
+
+
+def test_the_engine_alone_before_and_after_the_service_is_averaged_field_by_field() -> None:
+    before = {"step_ms": 5.0, "tokens_per_s": 6000.0, "num_steps": 100}
+    after = {"step_ms": 6.0, "tokens_per_s": 5000.0, "num_steps": 90}
+
+    assert cp.mean_row(before, after) == {"step_ms": 5.5, "tokens_per_s": 5500.0, "num_steps": 95}
+
+
+def test_the_engine_gets_the_last_cpu_and_the_rest_the_others() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        with pytest.raises(SystemExit):
+            cp.CpuSplit.of_this_machine()
+        return
+    split = cp.CpuSplit.of_this_machine()
+
+    assert split.engine == {cpus[-1]} and split.rest == set(cpus[:-1])
+
+
+def test_pinning_a_process_moves_every_thread_of_it_and_can_be_undone() -> None:
+    own = frozenset(os.sched_getaffinity(0))
+    one = frozenset([min(own)])
+    try:
+        cp.pin_process(os.getpid(), one)
+        tasks = list(Path(f"/proc/{os.getpid()}/task").iterdir())
+        assert all(os.sched_getaffinity(int(task.name)) == one for task in tasks)
+    finally:
+        cp.pin_process(os.getpid(), own)
+    assert os.sched_getaffinity(0) == own
+
+
+def test_pinning_the_service_counts_the_processes_it_moved_by_role() -> None:
+    own = frozenset(os.sched_getaffinity(0))
+    split = cp.CpuSplit(engine=own, rest=own)  # moves nothing anywhere new
+
+    moved = cp.pin_service(os.getpid(), split)
+
+    assert moved["load generator"] == 1 and moved["engine"] == 0
