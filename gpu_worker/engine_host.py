@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
@@ -209,7 +210,13 @@ class EngineThread:
 
 
 class EngineProcess:
-    """The engine in a child process of its own (its own GIL), fed over a pipe."""
+    """The engine in a child process of its own (its own GIL), fed over a pipe.
+
+    Plans go down the pipe from a sender thread, never from the event loop: a
+    pipe holds a few hundred KB, and a plan of long whole prompts (``orca``)
+    written while the engine runs a long step would otherwise stall the loop
+    (publishing, heartbeats) until the engine reads it.
+    """
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -225,6 +232,8 @@ class EngineProcess:
             daemon=True,
         )
         self._child_end = child_end
+        # Encoded plans for the sender thread; None: no more (close).
+        self._outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._num_submitted = 0
         self._num_done = 0
         self._closed = False
@@ -250,16 +259,27 @@ class EngineProcess:
         _log.info("engine_process_started", pid=self._process.pid)
 
     def submit(self, job: PlanJob) -> None:
-        """Send one plan to the engine process."""
+        """Queue one plan for the engine process (the sender thread writes it)."""
         self._num_submitted += 1
-        self._connection.send_bytes(_encoder.encode(job))
+        self._outgoing.put(_encoder.encode(job))
 
     def close(self) -> None:
-        """No more plans: the engine process ends after the ones sent."""
+        """No more plans: the engine process ends after the ones submitted."""
         if not self._closed:
             self._closed = True
-            with contextlib.suppress(OSError):
-                self._connection.send_bytes(_encoder.encode(None))
+            self._outgoing.put(None)
+
+    def _send_plans(self, loop: asyncio.AbstractEventLoop, sent: asyncio.Future[None]) -> None:
+        """The sender thread: every queued plan down the pipe in order, then the end."""
+        try:
+            while (data := self._outgoing.get()) is not None:
+                self._connection.send_bytes(data)
+            self._connection.send_bytes(_encoder.encode(None))
+        except OSError:
+            pass  # the engine process is gone: the reader sees its end
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, sent)
 
     async def run(self, stop: asyncio.Event, done: asyncio.Queue[StepDone | None]) -> None:
         """Hand every StepDone the engine process sends to ``done`` until it ends."""
@@ -280,6 +300,13 @@ class EngineProcess:
             done.put_nowait(item)
 
         loop.add_reader(self._connection.fileno(), readable)
+        # A daemon thread: one stuck on an engine that never reads again must
+        # not hold the worker's exit; run waits for it below, bounded.
+        sent: asyncio.Future[None] = loop.create_future()
+        sender = threading.Thread(
+            target=self._send_plans, args=(loop, sent), name="engine-plans", daemon=True
+        )
+        sender.start()
         stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
         waiting: list[asyncio.Future[Any]] = [ended, stopping]
         try:
@@ -289,13 +316,22 @@ class EngineProcess:
                 self.close()
                 await asyncio.wait_for(asyncio.shield(ended), timeout=30)
         finally:
+            asked_to_end = self._closed
             stopping.cancel()
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(self._connection.fileno())
             done.put_nowait(None)
+            self.close()  # the sender ends (at once if the engine process is gone)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(sent), timeout=10)
             await asyncio.to_thread(self._process.join, 10)
-        if not self._closed:
+        if not asked_to_end:
             raise EngineProcessDied(f"the engine process exited ({self._process.exitcode})")
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def engine_process_main(settings: WorkerSettings, connection: Connection) -> None:

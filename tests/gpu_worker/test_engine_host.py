@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -117,3 +118,45 @@ def test_the_child_environment_adds_defaults_without_overriding(monkeypatch) -> 
         assert os.environ["ORCAPOD_TEST_SET"] == "mine"
         assert os.environ["ORCAPOD_TEST_UNSET"] == "x"
     assert "ORCAPOD_TEST_UNSET" not in os.environ
+
+
+def test_a_plan_bigger_than_the_pipe_does_not_stall_the_loop_while_the_engine_is_busy(
+    model_dir: Path,
+) -> None:
+    # The engine process is stopped (as if in a long step): nothing reads the
+    # pipe. A plan of several MB must still leave the event loop free at once.
+    big = StepPlan("w-host", 1, 0, released_request_ids=[f"gone-{i:08d}" for i in range(200_000)])
+
+    async def scenario() -> tuple[float, float, list[StepDone]]:
+        host = EngineProcess(_settings(model_dir))
+        await host.start()
+        pid = host._process.pid
+        assert pid is not None
+        done: asyncio.Queue[StepDone | None] = asyncio.Queue()
+        running = asyncio.create_task(host.run(asyncio.Event(), done))
+        os.kill(pid, signal.SIGSTOP)
+        # Were the write on the loop, it would wait for the engine forever: a
+        # watchdog lets the engine go on after 2 s, so that fails, not hangs.
+        watchdog = threading.Timer(2.0, os.kill, (pid, signal.SIGCONT))
+        watchdog.start()
+        try:
+            started = time.perf_counter()
+            host.submit(PlanJob(b"0-0", big, time.time()))
+            submit_s = time.perf_counter() - started
+            started = time.perf_counter()
+            await asyncio.sleep(0.2)  # the sender is blocked on the full pipe meanwhile
+            sleep_s = time.perf_counter() - started
+        finally:
+            watchdog.cancel()
+            os.kill(pid, signal.SIGCONT)
+        host.close()
+        await asyncio.wait_for(running, timeout=60)
+        items = []
+        while (item := done.get_nowait()) is not None:
+            items.append(item)
+        return submit_s, sleep_s, items
+
+    submit_s, sleep_s, items = asyncio.run(scenario())
+    assert submit_s < 0.5 and sleep_s < 0.5
+    # The engine read it once it went on: a release of unknown ids is a no-op step.
+    assert [item.entry_id for item in items] == [b"0-0"]
