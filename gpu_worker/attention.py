@@ -50,10 +50,10 @@ def kv_slots(layout: list[SequenceLayout], block_size: int, device: torch.device
 def block_ids(layout: list[SequenceLayout], device: torch.device) -> torch.Tensor:
     """Each request's block table padded with block 0: ``[B, max_blocks]``."""
     max_blocks = max(len(sequence.block_table) for sequence in layout)
-    tables = torch.zeros((len(layout), max_blocks), dtype=torch.int64)
-    for row, sequence in enumerate(layout):
-        tables[row, : len(sequence.block_table)] = torch.tensor(sequence.block_table)
-    return tables.to(device)
+    # Padded as lists and made one tensor: no torch op per request (host work
+    # that grew with the batch).
+    rows = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in layout]
+    return torch.tensor(rows, dtype=torch.int64).to(device)
 
 
 def causal_mask(

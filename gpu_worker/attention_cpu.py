@@ -43,18 +43,16 @@ class _Group:
 def _group(
     layout: list[SequenceLayout], block_size: int, device: torch.device, dtype: torch.dtype
 ) -> _Group:
-    max_query_tokens = max(sequence.num_query_tokens for sequence in layout)
-    query_rows = torch.zeros((len(layout), max_query_tokens), dtype=torch.int64)
-    valid = torch.zeros((len(layout), max_query_tokens), dtype=torch.bool)
-    for row, sequence in enumerate(layout):
-        count = sequence.num_query_tokens
-        query_rows[row, :count] = torch.arange(sequence.query_start, sequence.query_start + count)
-        valid[row, :count] = True
+    num_query_tokens = [sequence.num_query_tokens for sequence in layout]
+    # Whole-batch ops, no torch op per request: row r holds query_start + 0, 1, ...
+    # for its num_query_tokens columns, padding (row 0) after.
+    columns = torch.arange(max(num_query_tokens), dtype=torch.int64)
+    valid = columns < torch.tensor(num_query_tokens, dtype=torch.int64).unsqueeze(1)
+    starts = torch.tensor([sequence.query_start for sequence in layout], dtype=torch.int64)
+    query_rows = torch.where(valid, starts.unsqueeze(1) + columns, 0)
     tables = block_ids(layout, device)
     num_kv_slots = tables.shape[1] * block_size
-    visible = causal_mask(
-        [s.num_query_tokens for s in layout], [s.num_cached_tokens for s in layout], num_kv_slots
-    )
+    visible = causal_mask(num_query_tokens, [s.num_cached_tokens for s in layout], num_kv_slots)
     additive_mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
     return _Group(
         query_rows=query_rows.to(device),
