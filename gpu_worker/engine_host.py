@@ -24,7 +24,9 @@ import multiprocessing
 import os
 import queue
 import signal
-import threading
+import socket
+import struct
+from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
@@ -212,10 +214,10 @@ class EngineThread:
 class EngineProcess:
     """The engine in a child process of its own (its own GIL), fed over a pipe.
 
-    Plans go down the pipe from a sender thread, never from the event loop: a
-    pipe holds a few hundred KB, and a plan of long whole prompts (``orca``)
-    written while the engine runs a long step would otherwise stall the loop
-    (publishing, heartbeats) until the engine reads it.
+    Plans go down the pipe without ever blocking the event loop
+    (``_PlanWriter``): a pipe holds a few hundred KB, and a plan of long whole
+    prompts (``orca``) written while the engine runs a long step would
+    otherwise stall the loop (publishing, heartbeats) until the engine reads it.
     """
 
     def __init__(self, settings: WorkerSettings) -> None:
@@ -232,8 +234,7 @@ class EngineProcess:
             daemon=True,
         )
         self._child_end = child_end
-        # Encoded plans for the sender thread; None: no more (close).
-        self._outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = _PlanWriter(self._connection.fileno())
         self._num_submitted = 0
         self._num_done = 0
         self._closed = False
@@ -259,27 +260,16 @@ class EngineProcess:
         _log.info("engine_process_started", pid=self._process.pid)
 
     def submit(self, job: PlanJob) -> None:
-        """Queue one plan for the engine process (the sender thread writes it)."""
+        """Send one plan to the engine process (what the pipe cannot take now
+        goes once it can)."""
         self._num_submitted += 1
-        self._outgoing.put(_encoder.encode(job))
+        self._writer.send(_encoder.encode(job))
 
     def close(self) -> None:
         """No more plans: the engine process ends after the ones submitted."""
         if not self._closed:
             self._closed = True
-            self._outgoing.put(None)
-
-    def _send_plans(self, loop: asyncio.AbstractEventLoop, sent: asyncio.Future[None]) -> None:
-        """The sender thread: every queued plan down the pipe in order, then the end."""
-        try:
-            while (data := self._outgoing.get()) is not None:
-                self._connection.send_bytes(data)
-            self._connection.send_bytes(_encoder.encode(None))
-        except OSError:
-            pass  # the engine process is gone: the reader sees its end
-        finally:
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(_resolve, sent)
+            self._writer.send(_encoder.encode(None))
 
     async def run(self, stop: asyncio.Event, done: asyncio.Queue[StepDone | None]) -> None:
         """Hand every StepDone the engine process sends to ``done`` until it ends."""
@@ -300,13 +290,6 @@ class EngineProcess:
             done.put_nowait(item)
 
         loop.add_reader(self._connection.fileno(), readable)
-        # A daemon thread: one stuck on an engine that never reads again must
-        # not hold the worker's exit; run waits for it below, bounded.
-        sent: asyncio.Future[None] = loop.create_future()
-        sender = threading.Thread(
-            target=self._send_plans, args=(loop, sent), name="engine-plans", daemon=True
-        )
-        sender.start()
         stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
         waiting: list[asyncio.Future[Any]] = [ended, stopping]
         try:
@@ -321,17 +304,72 @@ class EngineProcess:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(self._connection.fileno())
             done.put_nowait(None)
-            self.close()  # the sender ends (at once if the engine process is gone)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(sent), timeout=10)
+            self._writer.discard()  # what the engine did not take stays unrun
             await asyncio.to_thread(self._process.join, 10)
         if not asked_to_end:
             raise EngineProcessDied(f"the engine process exited ({self._process.exitcode})")
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+class _PlanWriter:
+    """Messages down one end of a multiprocessing pipe (its framing: a
+    big-endian length, then the bytes) without blocking the event loop: each
+    write takes what the socket can hold now (``MSG_DONTWAIT``: the socket
+    itself stays blocking, as the connection's reads need); the rest waits,
+    in order, and goes when the loop sees the socket writable."""
+
+    def __init__(self, fileno: int) -> None:
+        # A duplicate descriptor of the same socket, for send(); the
+        # connection keeps its own for reading.
+        self._socket = socket.socket(fileno=os.dup(fileno))
+        self._pending: deque[memoryview] = deque()
+        self._waiting_for_room = False
+        self._broken = False
+
+    def send(self, payload: bytes) -> None:
+        """Frame and send ``payload``, or queue what does not fit now."""
+        if self._broken:
+            return  # the engine process is gone: its end is seen by the reader
+        header = struct.pack("!i", len(payload))
+        if len(payload) > 0x7FFFFFFF:
+            header = struct.pack("!i", -1) + struct.pack("!Q", len(payload))
+        self._pending.append(memoryview(header + payload))
+        if not self._waiting_for_room:
+            self._flush()
+
+    def discard(self) -> None:
+        """Drop what is not sent yet and stop waiting for room."""
+        self._pending.clear()
+        self._stop_waiting()
+        self._socket.close()
+
+    def _flush(self) -> None:
+        pending = self._pending
+        while pending:
+            try:
+                sent = self._socket.send(pending[0], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                self._wait_for_room()
+                return
+            except OSError:
+                self._broken = True
+                pending.clear()
+                break
+            if sent == len(pending[0]):
+                pending.popleft()
+            else:
+                pending[0] = pending[0][sent:]
+        self._stop_waiting()
+
+    def _wait_for_room(self) -> None:
+        if not self._waiting_for_room:
+            asyncio.get_running_loop().add_writer(self._socket.fileno(), self._flush)
+            self._waiting_for_room = True
+
+    def _stop_waiting(self) -> None:
+        if self._waiting_for_room:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                asyncio.get_running_loop().remove_writer(self._socket.fileno())
+            self._waiting_for_room = False
 
 
 def engine_process_main(settings: WorkerSettings, connection: Connection) -> None:

@@ -144,7 +144,7 @@ def test_a_plan_bigger_than_the_pipe_does_not_stall_the_loop_while_the_engine_is
             host.submit(PlanJob(b"0-0", big, time.time()))
             submit_s = time.perf_counter() - started
             started = time.perf_counter()
-            await asyncio.sleep(0.2)  # the sender is blocked on the full pipe meanwhile
+            await asyncio.sleep(0.2)  # the rest of the plan waits for room meanwhile
             sleep_s = time.perf_counter() - started
         finally:
             watchdog.cancel()
