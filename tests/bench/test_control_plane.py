@@ -233,4 +233,6 @@ def test_pinning_the_service_counts_the_processes_it_moved_by_role() -> None:
 
     moved = cp.pin_service(os.getpid(), split)
 
-    assert moved["load generator"] == 1 and moved["engine"] == 0
+    # This process is the load generator; what else runs under it (other
+    # tests' children) depends on the suite, so only the roles are checked.
+    assert moved["load generator"] == 1 and set(moved) == set(cp.ROLES)
