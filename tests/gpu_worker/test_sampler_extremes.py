@@ -88,7 +88,7 @@ def _stop_ids() -> st.SearchStrategy[frozenset[int]]:
     return st.frozensets(st.integers(-2, VOCAB + 1), max_size=VOCAB + 2)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(
     rows=st.lists(_logit_rows(), min_size=1, max_size=4),
     data=st.data(),

@@ -12,7 +12,7 @@ from scheduler_actor.core import MAX_WORKERS_LOST, WORKERS_LOST_MESSAGE
 from tests.scheduler_actor.harness import Job, run
 
 PROPERTY_SETTINGS = settings(
-    max_examples=250,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     database=None,
