@@ -13,6 +13,7 @@ from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
 from shared.settings import (
+    MAX_INFLIGHT,
     WEIGHT_FORMATS,
     WorkerSettings,
     add_redis_arguments,
@@ -23,6 +24,17 @@ from shared.settings import (
 
 # One source of defaults: the settings dataclass.
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(WorkerSettings)}
+
+
+def _max_inflight(text: str) -> int:
+    """``--max-inflight``: an integer from 1 to MAX_INFLIGHT, or a clear usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= MAX_INFLIGHT:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_INFLIGHT}, got {value}")
+    return value
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
@@ -46,7 +58,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
     parser.add_argument("--kv-cache-bytes", type=int, help="K/V pool size in bytes")
     parser.add_argument("--kv-cache-fraction", type=float, default=DEFAULTS["kv_cache_fraction"])
     parser.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
-    parser.add_argument("--max-inflight", type=int, default=DEFAULTS["max_inflight"])
+    parser.add_argument(
+        "--max-inflight",
+        type=_max_inflight,
+        default=DEFAULTS["max_inflight"],
+        help=f"plans held at once, the worker's lookahead (1 to {MAX_INFLIGHT})",
+    )
     parser.add_argument("--heartbeat-s", type=float, default=DEFAULTS["heartbeat_s"])
     parser.add_argument(
         "--cuda-graphs",

@@ -33,6 +33,7 @@ from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
 from scheduler_actor.worker_state import WorkerState
 from shared.messages import FinishReason, SamplingParams, StepOutput, StepPlan, TenantLimits
+from shared.settings import MAX_INFLIGHT
 
 # A request on this many workers that failed (heartbeat lost, re-joined after a
 # crash) while it ran ends with an error: it may be what kills them.
@@ -161,8 +162,10 @@ class Scheduler:
         """Register a worker and its K/V budget."""
         if worker_id in self._workers:
             raise DuplicateWorkerError(f"worker {worker_id!r} already joined")
-        if num_blocks < 1 or block_size < 1 or max_inflight < 1:
-            raise InvalidRequestError("num_blocks, block_size and max_inflight must be >= 1")
+        if num_blocks < 1 or block_size < 1 or not 1 <= max_inflight <= MAX_INFLIGHT:
+            raise InvalidRequestError(
+                f"num_blocks and block_size must be >= 1 and max_inflight 1 to {MAX_INFLIGHT}"
+            )
         self._workers[worker_id] = WorkerState(
             worker_id=worker_id,
             join_seq=self._next_join_seq,

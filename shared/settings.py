@@ -24,6 +24,11 @@ T = TypeVar("T")
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+# The most plans a worker may hold at once: a request may be in every one of
+# them, so this bounds how far ahead the scheduler plans (and its extra K/V).
+MAX_INFLIGHT = 8
+
+
 @dataclass(frozen=True)
 class ModelLocation:
     """Where the model to load is, and where prepared models are cached."""
@@ -166,7 +171,7 @@ class WorkerSettings:
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = 0.25
     block_size: int = 16
-    # Plans the worker may hold at once (its lookahead): with 3, the plan for
+    # Plans the worker may hold at once (its lookahead, 1 to MAX_INFLIGHT): with 3, the plan for
     # step n+2 may still be on its way while step n runs, so the control
     # plane's round trip (result out, the scheduler's turn, plan in) has two
     # steps to come back in, not one (bench/control_plane.py).

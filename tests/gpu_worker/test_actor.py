@@ -13,6 +13,7 @@ import redis
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
+from gpu_worker.__main__ import parse_settings
 from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.engine_host import EngineThread
@@ -33,7 +34,7 @@ from shared.messages import (
     decode_worker_message,
 )
 from shared.redis_streams import connect, send_message
-from shared.settings import ModelLocation, RedisSettings, WorkerSettings
+from shared.settings import MAX_INFLIGHT, ModelLocation, RedisSettings, WorkerSettings
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import write_tiny_model
 
@@ -306,3 +307,15 @@ def test_a_new_scheduler_epoch_makes_the_worker_join_again(redis_server, model):
 
     redis.Redis.from_url(redis_server.url).set(KEYS.epoch, 1)
     run_worker(redis_server.url, model, scenario, heartbeat_s=0.1)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "9", "1e9", "three"])
+def test_a_lookahead_out_of_range_is_a_usage_error(value: str) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings([f"--max-inflight={value}"])
+
+
+def test_the_lookahead_flag_takes_1_to_the_most() -> None:
+    assert parse_settings([]).max_inflight == 3
+    assert parse_settings(["--max-inflight=1"]).max_inflight == 1
+    assert parse_settings([f"--max-inflight={MAX_INFLIGHT}"]).max_inflight == MAX_INFLIGHT

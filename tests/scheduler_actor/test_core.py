@@ -17,6 +17,7 @@ from scheduler_actor.errors import (
 )
 from scheduler_actor.sim_worker import SimulatedWorker
 from shared.messages import SampledToken, SamplingParams, StepOutput
+from shared.settings import MAX_INFLIGHT
 
 
 def _scheduler(policy=PolicyName.FAIR, num_blocks=16, block_size=4, max_inflight=1, **kwargs):
@@ -182,3 +183,12 @@ def test_a_recovered_request_continues_after_the_tokens_already_sent() -> None:
     [spec] = plan.new_requests
     assert spec.num_generated == 2 and spec.num_prompt_tokens == 5
     assert [chunk.token_ids for chunk in plan.prefill_chunks] == [[1, 2, 3, 7, 8]]
+
+
+@pytest.mark.parametrize("max_inflight", [0, -1, MAX_INFLIGHT + 1, 10**9])
+def test_a_join_with_a_lookahead_out_of_range_is_refused(max_inflight: int) -> None:
+    scheduler = Scheduler(SchedulerConfig(), lambda: 0.0)
+    with pytest.raises(InvalidRequestError, match="max_inflight"):
+        scheduler.worker_joined("w", 16, 4, max_inflight)
+    assert "w" not in scheduler.workers
+    scheduler.worker_joined("w", 16, 4, MAX_INFLIGHT)
