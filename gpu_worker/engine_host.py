@@ -329,9 +329,9 @@ class _PlanWriter:
         """Frame and send ``payload``, or queue what does not fit now."""
         if self._broken:
             return  # the engine process is gone: its end is seen by the reader
-        header = struct.pack("!i", len(payload))
-        if len(payload) > 0x7FFFFFFF:
-            header = struct.pack("!i", -1) + struct.pack("!Q", len(payload))
+        size = len(payload)
+        # Over 2 GiB the length goes as -1 then 8 bytes, as Connection.send_bytes does.
+        header = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
         self._pending.append(memoryview(header + payload))
         if not self._waiting_for_room:
             self._flush()

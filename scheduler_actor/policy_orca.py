@@ -28,12 +28,10 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
         max_batch_size = self._config.max_batch_size
         # Placed requests are bounded by the batch size (times max_inflight),
         # so sorting them is O(batch), never O(pool).
-        max_plans = builder.max_plans_per_request
         placed = [
             request
             for request in builder.worker.placed.values()
-            if request.can_continue(max_plans)
-            and (request.wants_prefill() or request.wants_decode())
+            if builder.can_continue(request) and (request.wants_prefill() or request.wants_decode())
         ]
         placed.sort(key=_arrival_seq)
         queue = self._queue
