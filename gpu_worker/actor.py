@@ -54,6 +54,7 @@ from shared.messages import (
     decode_step_plan,
     encode,
 )
+from shared.redis_lane import RedisLane
 from shared.redis_streams import (
     CONTROL_STREAM_MAXLEN,
     RESULTS_STREAM_MAXLEN,
@@ -88,6 +89,10 @@ class WorkerActor:
         self.host = host
         self._redis = redis
         self._plans_stream = self.keys.plans(self.worker_id)
+        # Once per step each: the plan read and the step's transaction, each
+        # on a connection of its own task (``shared/redis_lane.py``).
+        self._read_lane = RedisLane(redis)
+        self._publish_lane = RedisLane(redis)
         self._joined_epoch: int | None = None
         self._stats = HashCounters(STATS_INTERVAL_S)
         # Served at /metrics by the process (``__main__``) when asked to.
@@ -136,11 +141,15 @@ class WorkerActor:
         await self.host.start()
         await self.register()
         done: asyncio.Queue[StepDone | None] = asyncio.Queue()
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self._heartbeat(stop))
-            tasks.create_task(self._read(stop))
-            tasks.create_task(self.host.run(stop, done))
-            tasks.create_task(self._publish(done))
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._heartbeat(stop))
+                tasks.create_task(self._read(stop))
+                tasks.create_task(self.host.run(stop, done))
+                tasks.create_task(self._publish(done))
+        finally:
+            await self._read_lane.close()
+            await self._publish_lane.close()
         await send_message(
             self._redis,
             self.keys.control,
@@ -190,6 +199,7 @@ class WorkerActor:
                         self.keys.dead,
                         block_ms=READ_BLOCK_MS,
                         count=READ_COUNT,
+                        lane=self._read_lane,
                     )
                 except (RedisError, OSError) as error:
                     # A plan lost with the connection is fenced off by the new
@@ -257,7 +267,7 @@ class WorkerActor:
         increments = self._stats.take_if_due(force=self.host.num_in_flight == 0)
         queue_increments(pipe, self.keys.stats, increments)
         try:
-            await pipe.execute()
+            await self._publish_lane.execute(pipe)
         except BaseException:
             self._stats.give_back(increments)
             raise

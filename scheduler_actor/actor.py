@@ -36,6 +36,7 @@ from shared.heartbeat import sleep_unless_set
 from shared.keys import SCHEDULER_GROUP, RedisKeys
 from shared.live_stats import PUBLISH_INTERVAL_S, TTL_MS, encode_snapshot
 from shared.messages import StepOutput, StepPlan, decode_control_message, decode_step_output
+from shared.redis_lane import RedisLane
 from shared.redis_streams import (
     PLAN_STREAM_MAXLEN,
     ensure_group,
@@ -79,6 +80,8 @@ class SchedulerActor:
         self.settings = settings
         self.keys = RedisKeys(settings.redis.prefix)
         self._redis = redis
+        # The turn's read and transaction, once per step: on a held connection.
+        self._lane = RedisLane(redis)
         self._clock = clock
         self._handler: EventHandler | None = None
         self._housekeeping = Housekeeping(redis, settings)
@@ -166,6 +169,7 @@ class SchedulerActor:
         finally:
             with contextlib.suppress(RedisError, OSError):
                 await self._redis.delete(self.keys.ready, self.keys.live_stats)
+            await self._lane.close()
             _log.info("scheduler_stopped", **vars(self._counters))
 
     async def turn(self) -> None:
@@ -178,6 +182,7 @@ class SchedulerActor:
             self.keys.dead,
             block_ms=READ_BLOCK_MS,
             count=READ_COUNT,
+            lane=self._lane,
         )
         read_at = time.time()
         work_started = time.perf_counter()
@@ -208,7 +213,7 @@ class SchedulerActor:
                 self._next_timing_flush_s = now + TIMING_FLUSH_S
                 self._timing.queue_flush(pipe, self.keys.step_timing)
             work_s = time.perf_counter() - work_started
-            await pipe.execute()
+            await self._lane.execute(pipe)
             self._timing.add_turn(work_s, time.perf_counter() - work_started - work_s)
         self.metrics.plans_sent(plans, self.core)
         if now >= self._next_summary_s and (entries or self.core.requests):

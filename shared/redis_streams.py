@@ -25,6 +25,7 @@ from redis.retry import Retry
 
 from shared.keys import MESSAGE_FIELD
 from shared.messages import encode
+from shared.redis_lane import RedisLane
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -120,11 +121,14 @@ async def read_group(
     *,
     block_ms: int,
     count: int,
+    lane: RedisLane | None = None,
 ) -> list[StreamEntry[T]]:
     """New entries of every stream in ``decoders`` (in that order), each
     decoded by its stream's decoder; undecodable ones are dead-lettered and
-    acknowledged, never returned. Waits at most ``block_ms`` for the first."""
-    reply = await redis.xreadgroup(
+    acknowledged, never returned. Waits at most ``block_ms`` for the first.
+    A turn loop reads on its ``lane`` (``shared/redis_lane.py``)."""
+    reader = redis if lane is None else lane
+    reply = await reader.xreadgroup(
         group, consumer, dict.fromkeys(decoders, ">"), count=count, block=block_ms
     )
     if not reply:
