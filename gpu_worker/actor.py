@@ -14,6 +14,8 @@ Four owned tasks in one TaskGroup:
   to the results stream (the journal: every token of the step, once), the
   XACK of the plan, and a few times a second the stats counters; it also
   hands each step to the worker's metrics (``gpu_worker/metrics.py``);
+  the reader and the publisher each make their per-step call on a held
+  connection of their own (``shared/redis_lane.py``);
 - the *heartbeat* refreshes the worker's TTL key and re-registers when a new
   scheduler (a new epoch) starts.
 

@@ -2,7 +2,8 @@
 
 It owns the turn loop (``turn``: one XREADGROUP over results, control and
 requests; every message applied; every plan the core yields XADDed; one
-MULTI/EXEC) and starts each incarnation (``start``; a new one after Redis
+MULTI/EXEC; the read and the transaction on a held connection,
+``shared/redis_lane.py``) and starts each incarnation (``start``; a new one after Redis
 failed or restarted). What each message does is ``event_handler.py``; what a
 new incarnation takes back from Redis, ``recovery.py``; the checks once a
 second and the ready key, ``housekeeping.py``. Metrics (``metrics.py``) read
