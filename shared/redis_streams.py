@@ -17,11 +17,9 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.client import Pipeline
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from shared.keys import MESSAGE_FIELD
 from shared.messages import encode
@@ -69,7 +67,12 @@ class StreamEntry(Generic[T_co]):
 def connect(
     url: str, *, max_connections: int = 64, socket_timeout_s: float | None = None
 ) -> aioredis.Redis:
-    """A client that retries on lost connections with exponential backoff.
+    """A client whose calls are never retried behind the caller's back.
+
+    A lost connection raises (``ConnectionError``; the connection is dropped
+    and the next call connects again) and the caller's loop backs off
+    (``reconnect_backoff_s``) and goes on: a transaction retried by the
+    client after its reply was lost would run twice.
 
     Its pool blocks (up to ``POOL_WAIT_S``) when all ``max_connections`` are in
     use, instead of failing: a burst of commands (a thousand clients sending
@@ -81,8 +84,7 @@ def connect(
         max_connections=max_connections,
         timeout=POOL_WAIT_S,
         decode_responses=False,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry=Retry(NoBackoff(), retries=0),
         health_check_interval=30,
         socket_connect_timeout=socket_timeout_s,
         socket_timeout=socket_timeout_s,
