@@ -735,11 +735,13 @@ def disturbed(name: str, other_cores: float, attempt: int, args: argparse.Namesp
 
 
 def up_args(model_dir: Path, batch: int, args: argparse.Namespace) -> list[str]:
-    """``orcapod up`` flags: the tiny model on the CPU, the batch capped at ``batch``,
-    gateways that cancel a closed socket's requests at once and stop quickly."""
+    """``orcapod up`` flags: the tiny model on the CPU in the engine alone's
+    exact float32 weights, the batch capped at ``batch``, gateways that cancel
+    a closed socket's requests at once and stop quickly."""
     flags = [
         "--model", str(model_dir),
         "--worker-arg=--device=cpu", "--worker-arg=--dtype=float32",
+        "--worker-arg=--weights=float32",
         f"--worker-arg=--kv-cache-bytes={KV_CACHE_BYTES}",
         f"--scheduler-arg=--max-batch-size={batch}",
         "--gateway-arg=--detach-grace-s=0", "--gateway-arg=--drain-timeout-s=5",

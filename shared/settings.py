@@ -124,10 +124,10 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] = ()
 
 
-def gateway_environment_default(
+def flag_environment_default(
     name: str, default: T, parse: Callable[[str], T], environ: Mapping[str, str] | None = None
 ) -> T:
-    """A gateway flag's default: ``ORCAPOD_<NAME>`` when set, else ``default``."""
+    """An actor flag's default: ``ORCAPOD_<NAME>`` when set, else ``default``."""
     env = os.environ if environ is None else environ
     value = env.get(f"ORCAPOD_{name.upper()}")
     return default if value is None or value == "" else parse(value)
@@ -151,8 +151,9 @@ class SchedulerSettings:
     metrics_port: int | None = None
 
 
-# The worker's --weights choices (gpu_worker/quantized_linear.py packs them).
-WEIGHT_FORMATS = ("float32", "int8", "float16")
+# The worker's --weights choices (gpu_worker/quantized_linear.py packs them);
+# "auto" is the fastest near-exact one the device runs (``resolve_weight_format``).
+WEIGHT_FORMATS = ("auto", "float32", "int8", "float16")
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,9 @@ class WorkerSettings:
     device: str | None = None
     dtype: str | None = None
     # How the matrices are held: 'float32' (exact), or packed for the CPU's
-    # fbgemm kernels, 'int8' or 'float16' (gpu_worker/quantized_linear.py).
-    weight_format: str = "float32"
+    # fbgemm kernels, 'int8' or 'float16' (gpu_worker/quantized_linear.py);
+    # 'auto': float16 on a CPU in float32, the loaded tensors elsewhere.
+    weight_format: str = "auto"
     attention_backend: str | None = None
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = 0.25

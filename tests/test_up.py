@@ -27,7 +27,8 @@ def service(prepared_model_dir):
     port = free_port()
     while free_port() == port + 1:
         pass
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    # What a user runs: no REDIS_URL, and the default weights (not the suite's pin).
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "ORCAPOD_WEIGHTS")}
     up = UpProcess(
         [
             *("--port", str(port), "--gateways", "2", "--model", str(prepared_model_dir)),
@@ -100,6 +101,13 @@ def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_an
     assert chat.returncode == 0, output
     assert "[cancelled]" in output  # Ctrl-C ended the first answer, not the client
     assert "Paris" in output.split("[cancelled]", 1)[1]
+
+
+def test_up_serves_the_cpu_default_weights_packed_as_float16(service):
+    _, _, up = service
+    # Logged by the worker before it joined, so before "ready".
+    packed = [line for line in up.output if "weights_packed" in line]
+    assert packed and "float16" in packed[0], packed
 
 
 def test_up_prints_and_serves_the_actors_metrics(service):

@@ -23,6 +23,7 @@ from gpu_worker.quantized_linear import (
     Int8Linear,
     linear,
     pack_weights,
+    resolve_weight_format,
     unsupported_reason,
     weight_format_of,
 )
@@ -118,9 +119,10 @@ def test_the_packed_matrices_hold_fewer_bytes_than_fp32():
 # --- the engine with packed weights ----------------------------------------------------
 
 
-def test_float16_weights_sample_the_same_tokens_as_fp32(tiny_dir, fp32_model):
+@pytest.mark.parametrize("weight_format", ["float16", "auto"])
+def test_float16_weights_sample_the_same_tokens_as_fp32(tiny_dir, fp32_model, weight_format):
     with capture_logs() as logs:
-        model = load_model(tiny_dir, "cpu", "float32", "float16")
+        model = load_model(tiny_dir, "cpu", "float32", weight_format)
     [entry] = _pack_logs(logs)
     assert entry["event"] == "weights_packed" and entry["weight_format"] == "float16"
     assert entry["probe_logit_error"] < 1e-3
@@ -204,9 +206,32 @@ def test_an_unknown_weight_format_is_refused(tiny_dir):
         pack_weights(weights, "int4", CPU, torch.float32)
 
 
-def test_the_worker_flag_sets_the_weight_format():
-    assert parse_settings([]).weight_format == "float32"
+def test_auto_is_float16_where_fbgemm_runs_and_the_loaded_tensors_elsewhere():
+    assert resolve_weight_format("auto", CPU, torch.float32) == "float16"
+    assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
+    assert resolve_weight_format("auto", CPU, torch.bfloat16) == "float32"
+    for chosen in ("float32", "int8", "float16"):
+        assert resolve_weight_format(chosen, CPU, torch.float32) == chosen
+    with pytest.raises(ValueError, match="'Auto' is not one of"):
+        resolve_weight_format("Auto", CPU, torch.float32)
+
+
+def test_the_worker_flag_sets_the_weight_format(monkeypatch, capsys):
+    monkeypatch.delenv("ORCAPOD_WEIGHTS", raising=False)
+    assert parse_settings([]).weight_format == "auto"
     assert parse_settings(["--weights", "int8"]).weight_format == "int8"
     assert parse_settings(["--weights=float16"]).weight_format == "float16"
     with pytest.raises(SystemExit):
         parse_settings(["--weights", "int4"])
+    # $ORCAPOD_WEIGHTS stands in for the flag, which wins; a bad value is a usage error.
+    monkeypatch.setenv("ORCAPOD_WEIGHTS", "float32")
+    assert parse_settings([]).weight_format == "float32"
+    assert parse_settings(["--weights=auto"]).weight_format == "auto"
+    monkeypatch.setenv("ORCAPOD_WEIGHTS", "")
+    assert parse_settings([]).weight_format == "auto"
+    for bad in ("int4", "FLOAT16", " float16", "nan"):
+        monkeypatch.setenv("ORCAPOD_WEIGHTS", bad)
+        with pytest.raises(SystemExit) as exit_info:
+            parse_settings([])
+        assert exit_info.value.code == 2
+        assert "$ORCAPOD_WEIGHTS" in capsys.readouterr().err
