@@ -27,7 +27,7 @@ import signal
 import socket
 import struct
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,13 +47,26 @@ _log = structlog.get_logger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-# What the engine process starts with unless the worker's environment says
-# otherwise. OpenMP threads that spin at a barrier (libgomp's default) burn the
-# core a descheduled peer needs: beside the gateway, the scheduler and Redis on
-# the same few cores, a forward pass then took 4x as long under a tokenizing
-# load (tests/adversarial/test_event_loop.py); sleeping costs nothing measurable
-# when the engine has the cores to itself.
-CHILD_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+# How long an OpenMP thread of the engine spins at a barrier before it sleeps
+# (libgomp's GOMP_SPINCOUNT), unless the worker's environment says how to wait
+# (OMP_WAIT_POLICY or GOMP_SPINCOUNT). A forward pass is hundreds of parallel
+# regions a few microseconds of Python apart: threads that sleep at every
+# barrier (OMP_WAIT_POLICY=PASSIVE) decoded SmolLM2 at 13-18 tokens/s against
+# 27-29 with this spin (2-core EPYC, 2 threads, float16 weights; docs/
+# benchmarks.md). libgomp's own default spins 10x longer, which once made a
+# forward pass 4x slower beside a tokenizing gateway on the same two cores
+# (tests/adversarial/test_event_loop.py); with this spin that test's stream
+# is no slower under attack than with PASSIVE.
+OPENMP_SPIN_COUNT = "30000"
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def engine_environment_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the engine process adds to ``environ``: the spin count, unless
+    ``environ`` already says how OpenMP threads wait."""
+    if any(name in environ for name in OPENMP_WAIT_VARIABLES):
+        return {}
+    return {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
 
 
 @contextlib.contextmanager
@@ -246,7 +259,7 @@ class EngineProcess:
 
     async def start(self) -> None:
         """Spawn the engine process and wait until its model is loaded."""
-        with _child_environment(CHILD_ENVIRONMENT):
+        with _child_environment(engine_environment_defaults(os.environ)):
             self._process.start()
         self._child_end.close()  # the child holds its end now
         try:

@@ -14,11 +14,13 @@ import pytest
 
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.engine_host import (
+    OPENMP_SPIN_COUNT,
     EngineProcess,
     EngineProcessDied,
     EngineThread,
     PlanJob,
     _child_environment,
+    engine_environment_defaults,
 )
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.plan_runner import StepDone
@@ -118,6 +120,15 @@ def test_the_child_environment_adds_defaults_without_overriding(monkeypatch) -> 
         assert os.environ["ORCAPOD_TEST_SET"] == "mine"
         assert os.environ["ORCAPOD_TEST_UNSET"] == "x"
     assert "ORCAPOD_TEST_UNSET" not in os.environ
+
+
+def test_the_engine_spins_briefly_at_barriers_unless_told_how_to_wait() -> None:
+    assert engine_environment_defaults({}) == {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
+    assert engine_environment_defaults({"PATH": "/bin"}) == {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
+    # An operator's choice wins, whichever variable says it (libgomp lets
+    # GOMP_SPINCOUNT override OMP_WAIT_POLICY, so neither is added to the other).
+    assert engine_environment_defaults({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
+    assert engine_environment_defaults({"GOMP_SPINCOUNT": "0"}) == {}
 
 
 def test_a_plan_bigger_than_the_pipe_does_not_stall_the_loop_while_the_engine_is_busy(
