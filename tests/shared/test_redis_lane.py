@@ -178,35 +178,18 @@ async def _close_gives_the_connection_back(redis_server: RedisServer) -> None:
     await client.aclose()
 
 
-def test_a_transaction_applies_every_queued_command_and_returns_their_replies(
-    redis_server: RedisServer,
-) -> None:
-    asyncio.run(_a_transaction_applies_every_queued_command_and_returns_their_replies(redis_server))
+SCENARIOS = [
+    _a_transaction_applies_every_queued_command_and_returns_their_replies,
+    _a_read_has_the_clients_shape,
+    _read_group_on_a_lane_decodes_and_dead_letters,
+    _an_error_inside_exec_raises_and_the_next_call_is_clean,
+    _a_command_refused_when_queued_runs_nothing,
+    _a_killed_connection_raises_once_then_connects_again,
+    _a_cancelled_blocking_read_leaves_nothing_behind,
+    _close_gives_the_connection_back,
+]
 
 
-def test_a_read_has_the_clients_shape(redis_server: RedisServer) -> None:
-    asyncio.run(_a_read_has_the_clients_shape(redis_server))
-
-
-def test_read_group_on_a_lane_decodes_and_dead_letters(redis_server: RedisServer) -> None:
-    asyncio.run(_read_group_on_a_lane_decodes_and_dead_letters(redis_server))
-
-
-def test_an_error_inside_exec_raises_and_the_next_call_is_clean(redis_server: RedisServer) -> None:
-    asyncio.run(_an_error_inside_exec_raises_and_the_next_call_is_clean(redis_server))
-
-
-def test_a_command_refused_when_queued_runs_nothing(redis_server: RedisServer) -> None:
-    asyncio.run(_a_command_refused_when_queued_runs_nothing(redis_server))
-
-
-def test_a_killed_connection_raises_once_then_connects_again(redis_server: RedisServer) -> None:
-    asyncio.run(_a_killed_connection_raises_once_then_connects_again(redis_server))
-
-
-def test_a_cancelled_blocking_read_leaves_nothing_behind(redis_server: RedisServer) -> None:
-    asyncio.run(_a_cancelled_blocking_read_leaves_nothing_behind(redis_server))
-
-
-def test_close_gives_the_connection_back(redis_server: RedisServer) -> None:
-    asyncio.run(_close_gives_the_connection_back(redis_server))
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.__name__[1:])
+def test_lane(redis_server: RedisServer, scenario) -> None:
+    asyncio.run(scenario(redis_server))
