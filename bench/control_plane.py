@@ -192,6 +192,10 @@ def engine_alone(model_dir: Path, workload: Workload, context: int, duration_s: 
     rng = random.Random(0)
     running: set[str] = set()
     num_admitted = 0
+    # A free list, as the scheduler keeps: each request gets its whole life's
+    # blocks when admitted and gives them back when it finishes.
+    free_blocks = list(range(engine.num_blocks))
+    blocks_of: dict[str, list[int]] = {}
 
     def admit(max_tokens: int) -> tuple[RequestSpec, PrefillChunk]:
         nonlocal num_admitted
@@ -201,6 +205,8 @@ def engine_alone(model_dir: Path, workload: Workload, context: int, duration_s: 
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         prompt_ids = workload.prompt(rng)
         spec = RequestSpec(request_id, len(prompt_ids), sampling)
+        num_blocks = -(-(len(prompt_ids) + max_tokens) // engine.block_size)
+        blocks_of[request_id] = [free_blocks.pop() for _ in range(num_blocks)]
         return spec, PrefillChunk(request_id, prompt_ids, 0)
 
     def step(index: int, fresh: list[tuple[RequestSpec, PrefillChunk]]) -> tuple[int, float]:
@@ -212,9 +218,12 @@ def engine_alone(model_dir: Path, workload: Workload, context: int, duration_s: 
             new_requests=[spec for spec, _ in fresh],
             prefill_chunks=[chunk for _, chunk in fresh],
             decode_request_ids=decode_ids,
+            block_grants={spec.request_id: blocks_of[spec.request_id] for spec, _ in fresh},
         )
         output = engine.step(plan)
-        running.difference_update(output.finished_request_ids)
+        for request_id in output.finished_request_ids:
+            running.discard(request_id)
+            free_blocks.extend(blocks_of.pop(request_id))
         return len(output.tokens), output.step_ms / 1000
 
     step_index, num_tokens, forward_s, num_steps = 0, 0, 0.0, 0
@@ -256,6 +265,7 @@ def engine_alone(model_dir: Path, workload: Workload, context: int, duration_s: 
 def fixed_context_decode_ms(engine: Any, batch: int, context: int, released: set[str]) -> float:
     """One decode step of ``batch`` requests that each attend exactly ``context`` tokens
     (median of 20): ``released`` go first, the new ones are prefilled eight at a time."""
+    from gpu_worker.local_blocks import step_alone
     from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 
     engine.step(StepPlan("bench", 0, 0, released_request_ids=sorted(released)))
@@ -265,7 +275,7 @@ def fixed_context_decode_ms(engine: Any, batch: int, context: int, released: set
         group = request_ids[start : start + 8]
         specs = [RequestSpec(rid, context - 1, sampling) for rid in group]
         chunks = [PrefillChunk(rid, [FIRST_TOKEN_ID] * (context - 1), 0) for rid in group]
-        engine.step(StepPlan("bench", 0, 0, new_requests=specs, prefill_chunks=chunks))
+        step_alone(engine, StepPlan("bench", 0, 0, new_requests=specs, prefill_chunks=chunks))
     plan = StepPlan("bench", 0, 0, decode_request_ids=request_ids)
     times = []
     for _ in range(21):

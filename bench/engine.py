@@ -44,11 +44,12 @@ import torch
 import transformers
 
 from gpu_worker.attention import BACKEND_NAMES, make_backend
-from gpu_worker.block_allocator import blocks_for
+from gpu_worker.block_tables import blocks_for
 from gpu_worker.device import DTYPES, choose_dtype, cpu_has_native_bf16
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
+from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.weights import random_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
@@ -166,6 +167,7 @@ def our_prefill_s(engine: Engine, prompts: list[list[int]], repeats: int) -> flo
     request_ids = [f"p{i}" for i in range(len(prompts))]
     plan = prefill_plan(dict(zip(request_ids, prompts, strict=True)))
     release = release_plan(request_ids)
+    plan = grant_free_blocks(engine, plan)  # the same blocks again after each release
     seconds = median_s(partial(engine.step, plan), repeats, partial(engine.step, release))
     engine.step(release)
     return seconds
@@ -214,7 +216,7 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
     for start in range(0, max_batch, FILL_GROUP):
         group = request_ids[start : start + FILL_GROUP]
         started = time.perf_counter()
-        engine.step(prefill_plan({rid: tokens(context - 1) for rid in group}))
+        step_alone(engine, prefill_plan({rid: tokens(context - 1) for rid in group}))
         fill_s.append((time.perf_counter() - started, len(group)))
     group_size = fill_s[0][1]
     fill_median = statistics.median(s for s, n in fill_s if n == group_size)
@@ -260,7 +262,7 @@ def measure_overhead(steps: int) -> dict[str, float]:
     ours, theirs = random_models(config, torch.float32)
     budget = KVCacheBudget(num_bytes=4 * bytes_per_block(config, BLOCK_SIZE, torch.float32))
     engine = Engine(ours, budget, "cpu")
-    engine.step(prefill_plan({"o": [5] * 15}))
+    step_alone(engine, prefill_plan({"o": [5] * 15}))
     decode = StepPlan("bench", 0, 0, decode_request_ids=["o"])
     our_s = median_s(partial(engine.step, decode), steps, partial(rewind, engine, ["o"], 15))
     their_s = their_decode_s(theirs, 1, 16, steps, config.vocab_size)

@@ -177,11 +177,14 @@ def orcapod_engine(threads: int, weight_format: str) -> dict[str, Any]:
     prompt = torch.randint(3, model.config.vocab_size, (PREFILL_TOKENS,),
                            generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
 
-    def prefill(request_id: str, ids: list[int]) -> float:
+    def prefill(request_id: str, ids: list[int], num_slots: int = 0) -> float:
+        """Prefill ``ids`` into blocks for ``num_slots`` (at least the prompt's)."""
+        num_blocks = -(-max(num_slots, len(ids)) // engine.block_size)
         plan = StepPlan(
             "bench", 0, 0,
             new_requests=[RequestSpec(request_id, len(ids), sampling)],
             prefill_chunks=[PrefillChunk(request_id, ids, 0)],
+            block_grants={request_id: list(range(num_blocks))},
         )  # fmt: skip
         started = time.perf_counter()
         engine.step(plan)
@@ -200,7 +203,7 @@ def orcapod_engine(threads: int, weight_format: str) -> dict[str, Any]:
             prefill_s.append(seconds)
     decode_runs = []
     for index in range(3):  # like llama-bench: an empty context, 128 tokens generated
-        prefill(f"d{index}", prompt[:1])
+        prefill(f"d{index}", prompt[:1], num_slots=DECODE_TOKENS + 1)
         decode = StepPlan("bench", 0, 0, decode_request_ids=[f"d{index}"])
         started = time.perf_counter()
         for _ in range(DECODE_TOKENS - 1):

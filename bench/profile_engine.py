@@ -68,10 +68,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import gpu_worker.attention as attention_module
 import gpu_worker.engine as engine_module
-from gpu_worker.block_allocator import blocks_for
+from gpu_worker.block_tables import blocks_for
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
+from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.weights import random_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import model_location
@@ -190,7 +191,8 @@ class Scenarios:
     def _fill(self) -> None:
         engine, first = self.engine, self.request_ids[0]
         cached = self.context - 1
-        engine.step(
+        step_alone(
+            engine,
             StepPlan(
                 "profile", 0, 0,
                 new_requests=[RequestSpec(first, cached, SAMPLING)],
@@ -199,13 +201,18 @@ class Scenarios:
         )  # fmt: skip
         source = engine._requests[first]
         cache = engine.kv_cache
+        # Each request's table holds the decoded position too.
+        num_blocks = blocks_for(self.context, cache.block_size)
+        cache.tables.extend(
+            first, cache.tables.unreferenced()[: num_blocks - cache.tables.num_held(first)]
+        )
         source_slots = torch.tensor(cache.slot_ids(first, 0, cached))
         for request_id in self.request_ids[1:]:
             request = engine._admit(RequestSpec(request_id, cached, SAMPLING))
             request.num_cached_tokens = cached
             request.last_token_id = source.last_token_id
             engine._requests[request_id] = request
-            cache.allocator.grow({request_id: cached})
+            cache.tables.extend(request_id, cache.tables.unreferenced()[:num_blocks])
             slots = torch.tensor(cache.slot_ids(request_id, 0, cached))
             cache.keys[:, slots] = cache.keys[:, source_slots]
             cache.values[:, slots] = cache.values[:, source_slots]
@@ -232,6 +239,7 @@ class Scenarios:
                 new_requests=[RequestSpec("p", PREFILL_LEN, SAMPLING)],
                 prefill_chunks=[PrefillChunk("p", self.prompt, 0)],
             )  # fmt: skip
+            plan = grant_free_blocks(engine, plan)  # the same blocks again after each release
             return partial(engine.step, plan), partial(self.release, "p")
         if name == "mixed":
             ids = self.request_ids[:MIXED_DECODES]
@@ -241,6 +249,8 @@ class Scenarios:
                 prefill_chunks=[PrefillChunk("m", self.prompt[:MIXED_CHUNK], 0)],
                 decode_request_ids=ids,
             )  # fmt: skip
+
+            plan = grant_free_blocks(engine, plan)
 
             def reset() -> None:
                 self.release("m")

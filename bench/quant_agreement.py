@@ -48,10 +48,11 @@ import transformers
 
 from bench.engine import median_s, prefill_plan, release_plan, rewind
 from bench.profile_engine import machine
-from gpu_worker.block_allocator import blocks_for
+from gpu_worker.block_tables import blocks_for
 from gpu_worker.engine import Engine, probe_logits
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
+from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.model_config import load_model_config
 from gpu_worker.quantized_linear import (
     MAX_PROBE_LOGIT_ERROR,
@@ -125,7 +126,7 @@ def generate(
 
     model.forward = recording_forward  # type: ignore[method-assign]
     try:
-        output = engine.step(plan)
+        output = step_alone(engine, plan)
     finally:
         del model.forward  # back to the class's method
     first_logits = dict(zip(prompts, captured[0], strict=True))  # chunks' order
@@ -141,7 +142,7 @@ def generate(
         if not running:
             return continuations, first_logits
         decode = [rid for rid in prompts if rid in running]
-        output = engine.step(StepPlan("bench", 0, step_index, decode_request_ids=decode))
+        output = step_alone(engine, StepPlan("bench", 0, step_index, decode_request_ids=decode))
         step_index += 1
 
 
@@ -183,7 +184,7 @@ def fill(engine: Engine, num_requests: int, context: int) -> list[str]:
             rid: [rng.randrange(3, vocab) for _ in range(context - 1)]
             for rid in request_ids[start : start + FILL_GROUP]
         }
-        engine.step(prefill_plan(prompts))
+        step_alone(engine, prefill_plan(prompts))
     return request_ids
 
 
@@ -201,6 +202,7 @@ def time_steps(
     vocab = engine.model.config.vocab_size
     prompt = [random.Random(1).randrange(3, vocab) for _ in range(PREFILL_TOKENS)]
     plan, release = prefill_plan({"p": prompt}), release_plan(["p"])
+    plan = grant_free_blocks(engine, plan)  # the same blocks again after each release
     seconds = median_s(partial(engine.step, plan), 2, partial(engine.step, release))
     engine.step(release)
     times[f"prefill_{PREFILL_TOKENS}_ms"] = seconds * 1e3

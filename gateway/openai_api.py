@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from shared.protocol import ChatMessage, Done, Error, ErrorCode, Generate
+from shared.protocol import ChatMessage, Done, Error, ErrorCode, Generate, PromptTokensDetails
 
 # The id every HTTP request's generate has on its own (one-request) socket.
 HTTP_CLIENT_ID = "http"
@@ -336,6 +336,7 @@ class UsageOut(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Delta(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -432,6 +433,7 @@ class Reply:
             prompt_tokens=done.usage.prompt_tokens,
             completion_tokens=done.usage.completion_tokens,
             total_tokens=done.usage.prompt_tokens + done.usage.completion_tokens,
+            prompt_tokens_details=done.usage.prompt_tokens_details,
         )
         if not self._parsed.stream:
             text = "".join(self._texts)

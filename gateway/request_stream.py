@@ -18,7 +18,7 @@ import msgspec
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from shared.messages import FinishReason, SampledToken, SubmitRequest
-from shared.protocol import Timings, Usage
+from shared.protocol import PromptTokensDetails, Timings, Usage
 
 
 class EmittedToken(msgspec.Struct, frozen=True):
@@ -85,6 +85,8 @@ class RequestStream:
         # request silent for too long is ended by the session's stall check.
         self.last_progress_s = accepted_at_s
         self.next_seq = 0
+        # Prompt tokens of the first placement whose K/V came from the prefix cache.
+        self.num_cached_tokens = 0
         # Tokens that arrived ahead of a missing one, by index.
         self._pending: dict[int, SampledToken] = {}
         self.tokens: list[EmittedToken] = []
@@ -151,6 +153,8 @@ class RequestStream:
     def _emit(self, token: SampledToken, now_s: float, update: StreamUpdate) -> None:
         if self._first_token_at_s is None:
             self._first_token_at_s = now_s
+        if token.index == 0 and token.num_cached_tokens is not None:
+            self.num_cached_tokens = min(max(token.num_cached_tokens, 0), self.num_prompt_tokens)
         is_last = token.finish_reason is not None
         delta = self._detokenizer.add(token.token_id)
         if is_last:
@@ -178,7 +182,11 @@ class RequestStream:
         )
         self.completion = Completion(
             finish_reason=finish_reason,
-            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.tokens)),
+            usage=Usage(
+                prompt_tokens=self.num_prompt_tokens,
+                completion_tokens=len(self.tokens),
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+            ),
             timings=Timings(ttft_ms=ttft_ms, total_ms=(now_s - self._accepted_at_s) * 1000.0),
         )
         self.finished_at_s = now_s

@@ -10,6 +10,7 @@ reads them, this module parses, merges and looks up. The TOML file::
     max_queued = 100              # requests waiting for a worker (default: no cap)
     max_in_flight = 8             # requests on workers at once; the rest wait
     max_tokens_per_request = 1024 # a larger max_tokens is an invalid_request
+    cache_group = "acme-apps"     # tenants of one group share cached prompt prefixes
     tokens_per_minute = 200000    # prompt + max_tokens reserved, over all gateways
     operator = true               # its keys see every tenant's name on /dashboard
     key_sha256 = ["<sha256 hex of a key>", ...]
@@ -31,7 +32,7 @@ from typing import Annotated
 
 import msgspec
 
-from shared.messages import TenantLimits
+from shared.messages import CacheGroupName, TenantLimits
 
 OPEN_TENANT_NAME = "default"
 # Generated keys start with it, so a leaked key is recognisable in a scan.
@@ -64,6 +65,9 @@ class TenantQuotas(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # An operator's keys see every tenant's name on the dashboard; everyone
     # else sees their own and "tenant 2", "tenant 3"... for the others.
     operator: bool = False
+    # Tenants naming the same group share their prefix cache (and can time it);
+    # without one a tenant's cache is its own.
+    cache_group: CacheGroupName | None = None
 
 
 class Tenant(TenantQuotas, frozen=True, kw_only=True):
@@ -76,7 +80,10 @@ class Tenant(TenantQuotas, frozen=True, kw_only=True):
     def limits(self) -> TenantLimits:
         """What the scheduler enforces (the gateway enforces the rest itself)."""
         return TenantLimits(
-            weight=self.weight, max_queued=self.max_queued, max_in_flight=self.max_in_flight
+            weight=self.weight,
+            max_queued=self.max_queued,
+            max_in_flight=self.max_in_flight,
+            cache_group=self.cache_group,
         )
 
 

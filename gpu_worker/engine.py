@@ -3,7 +3,9 @@
 The engine keeps, per request it runs, how many tokens are in its K/V cache
 and what it sampled last; a plan names the work (prompt chunks, decodes) and
 the engine flattens it into one forward pass, samples, and reports tokens.
-Requests join, continue and leave between any two steps.
+Requests join, continue and leave between any two steps. The plan also grants
+the K/V blocks each request writes (the scheduler owns the block tables, so a
+prompt may start after a prefix cached in blocks other requests share).
 
 Faults of one request end that request only (``StepOutput.failed``): a prompt
 token id the model has no embedding for, a position past the model's
@@ -30,7 +32,7 @@ from gpu_worker.attention import (
     default_backend_name,
     make_backend,
 )
-from gpu_worker.block_allocator import blocks_for
+from gpu_worker.block_tables import blocks_for
 from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
@@ -127,9 +129,9 @@ def probe_logits(model: LlamaModel, num_tokens: int = PROBE_PROMPT_TOKENS) -> to
     cache = PagedKVCache(
         config, blocks_for(num_tokens, block_size), block_size, device, model.dtype
     )
-    cache.allocator.grow({"probe": num_tokens})
+    cache.tables.extend("probe", range(cache.num_blocks))
     backend = make_backend(default_backend_name(device), model.dtype)
-    layout = [SequenceLayout(0, num_tokens, 0, cache.allocator.block_table("probe"))]
+    layout = [SequenceLayout(0, num_tokens, 0, cache.tables.table("probe"))]
     return model.forward(
         token_ids=token_ids.to(device),
         positions=torch.arange(num_tokens, device=device),
@@ -192,8 +194,9 @@ class Engine:
 
     @property
     def num_free_blocks(self) -> int:
-        """K/V blocks no request holds."""
-        return self.kv_cache.allocator.num_free_blocks
+        """K/V blocks in no running request's table (the scheduler may still
+        keep cached prefixes in them)."""
+        return self.num_blocks - self.kv_cache.tables.num_referenced()
 
     @property
     def active_request_ids(self) -> list[str]:
@@ -208,12 +211,17 @@ class Engine:
         and reported in ``StepOutput.failed``, the others run.
         """
         admitted, works, growth, failed = self._validate(plan)
+        self._check_grants(plan, growth)
         for request_id in plan.released_request_ids:
             self._drop(request_id)
         for request in admitted:
             self._requests[request.spec.request_id] = request
         for failure in failed:
             self._end(failure.request_id)
+        tables = self.kv_cache.tables
+        for request_id, block_ids in plan.block_grants.items():
+            if request_id in self._requests:
+                tables.extend(request_id, block_ids)
         if not works:
             return StepOutput(
                 worker_id=self.worker_id,
@@ -221,7 +229,6 @@ class Engine:
                 step_index=plan.step_index,
                 failed=failed,
             )
-        self.kv_cache.allocator.grow(growth)
         started = time.perf_counter()
         try:
             tokens, sampling_failed = self._run(works)
@@ -250,6 +257,17 @@ class Engine:
             failed=failed + sampling_failed,
         )
 
+    def blocks_to_grant(self, plan: StepPlan) -> dict[str, int]:
+        """How many more blocks each request the plan runs needs beyond its
+        table and the plan's grants (what a scheduler grants; for drivers of
+        an engine alone, see ``local_blocks.py``). Raises PlanError as ``step``."""
+        _admitted, _works, growth, _failed = self._validate(plan)
+        return {
+            request_id: missing
+            for request_id, missing in self._missing_blocks(plan, growth).items()
+            if missing > 0
+        }
+
     def fail_requests(self, request_ids: list[str], message: str) -> list[RequestFailure]:
         """End these requests here (their K/V goes back to the pool; later work
         planned for them is skipped); one failure per request the engine held."""
@@ -268,6 +286,7 @@ class Engine:
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
             stop_token_ids=frozenset(stop_ids),
             num_generated=spec.num_generated,
+            num_cached_tokens=spec.num_cached_tokens,
         )
 
     def _validate(
@@ -287,6 +306,11 @@ class Engine:
                 raise PlanError(f"request {spec.request_id!r} is already running here")
             if spec.num_prompt_tokens < 1 or spec.sampling.max_tokens < 1:
                 raise PlanError(f"request {spec.request_id!r} needs a prompt and max_tokens >= 1")
+            if not 0 <= spec.num_cached_tokens < spec.num_prompt_tokens:
+                raise PlanError(
+                    f"request {spec.request_id!r}: {spec.num_cached_tokens} cached tokens of a "
+                    f"{spec.num_prompt_tokens}-token prompt (at least one must be computed)"
+                )
             known[spec.request_id] = self._admit(spec)
             admitted.append(known[spec.request_id])
         works: list[_Work] = []
@@ -336,22 +360,43 @@ class Engine:
         works = [work for work in works if work.request.spec.request_id not in failures]
         # A request that fails in the plan that admits it is never admitted.
         admitted = [r for r in admitted if r.spec.request_id not in failures]
-        allocator = self.kv_cache.allocator
-        num_free = allocator.num_free_blocks + sum(
-            len(allocator.block_table(r)) for r in released if allocator.holds(r)
-        )
-        num_needed = sum(
-            blocks_for(n, allocator.block_size)
-            - (0 if r in released or not allocator.holds(r) else len(allocator.block_table(r)))
-            for r, n in growth.items()
-        )
-        if num_needed > num_free:
-            raise PlanError(
-                f"plan needs {num_needed} more K/V blocks but only {num_free} of "
-                f"{allocator.num_blocks} are free"
-            )
         failed = [RequestFailure(rid, message) for rid, message in failures.items()]
         return admitted, works, growth, failed
+
+    def _missing_blocks(self, plan: StepPlan, growth: dict[str, int]) -> dict[str, int]:
+        """Blocks each request of ``growth`` (id -> tokens it holds after the
+        step) lacks after the plan's releases and grants (negative: spare)."""
+        tables = self.kv_cache.tables
+        released = set(plan.released_request_ids)
+        grants = plan.block_grants
+        return {
+            request_id: blocks_for(num_tokens, tables.block_size)
+            - (0 if request_id in released else tables.num_held(request_id))
+            - len(grants.get(request_id, ()))
+            for request_id, num_tokens in growth.items()
+        }
+
+    def _check_grants(self, plan: StepPlan, growth: dict[str, int]) -> None:
+        """Every granted block exists, and every slot the step writes lies in a
+        granted block; else PlanError (nothing changed yet)."""
+        num_blocks = self.num_blocks
+        for request_id, block_ids in plan.block_grants.items():
+            if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+                raise PlanError(
+                    f"request {request_id!r} is granted a block outside 0 to {num_blocks - 1}"
+                )
+        for request_id, missing in self._missing_blocks(plan, growth).items():
+            if missing > 0:
+                raise PlanError(
+                    f"request {request_id!r} needs {missing} more K/V blocks than it was granted"
+                )
+        for spec in plan.new_requests:
+            num_granted = len(plan.block_grants.get(spec.request_id, ()))
+            if spec.num_cached_tokens > num_granted * self.block_size:
+                raise PlanError(
+                    f"request {spec.request_id!r} has {spec.num_cached_tokens} cached tokens "
+                    f"in {num_granted} granted blocks"
+                )
 
     @staticmethod
     def _lookup(known: dict[str, _Request], request_id: str, seen: set[str]) -> _Request:
@@ -377,7 +422,7 @@ class Engine:
                     query_start=len(token_ids),
                     num_query_tokens=len(work.token_ids),
                     num_cached_tokens=work.start_position,
-                    block_table=cache.allocator.block_table(request_id),
+                    block_table=cache.tables.table(request_id),
                 )
             )
             token_ids.extend(work.token_ids)
@@ -427,6 +472,9 @@ class Engine:
 
     def _record(self, request: _Request, token_id: int) -> SampledToken:
         index = request.num_generated
+        spec = request.spec
+        # The placement's first token says how much of its prompt was cached.
+        num_cached_tokens = spec.num_cached_tokens if index == spec.num_generated else None
         request.num_generated += 1
         request.last_token_id = token_id
         finish_reason: FinishReason | None = None
@@ -441,6 +489,7 @@ class Engine:
             token_id=token_id,
             index=index,
             finish_reason=finish_reason,
+            num_cached_tokens=num_cached_tokens,
         )
 
     def _end(self, request_id: str) -> None:
@@ -453,4 +502,4 @@ class Engine:
     def _drop(self, request_id: str) -> None:
         """Forget a request and free its blocks; a no-op for unknown ids (idempotent)."""
         self._requests.pop(request_id, None)
-        self.kv_cache.allocator.free(request_id)
+        self.kv_cache.tables.forget(request_id)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.block_allocator import BlockAllocator
+from gpu_worker.block_tables import BlockTables
 from gpu_worker.model_config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16
@@ -58,7 +58,7 @@ class PagedKVCache:
     """K/V for every layer in ``num_blocks * block_size`` slots, plus the block tables.
 
     Slot ``block * block_size + offset`` holds the token at ``offset`` within a
-    request's block. The allocator decides who owns which block.
+    request's block. The scheduler decides who holds which block.
     """
 
     def __init__(
@@ -69,7 +69,7 @@ class PagedKVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.tables = BlockTables(num_blocks, block_size)
         self.block_size = block_size
         num_slots = num_blocks * block_size
         shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
@@ -79,10 +79,10 @@ class PagedKVCache:
     @property
     def num_blocks(self) -> int:
         """Blocks in the pool."""
-        return self.allocator.num_blocks
+        return self.tables.num_blocks
 
     def slot_ids(self, request_id: str, start: int, end: int) -> list[int]:
         """Slots of ``request_id``'s tokens at positions ``[start, end)``."""
-        table = self.allocator.block_table(request_id)
+        table = self.tables.table(request_id)
         size = self.block_size
         return [table[position // size] * size + position % size for position in range(start, end)]

@@ -44,6 +44,25 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         "default: not served)",
     )
     parser.add_argument("--metrics-host", default=defaults.metrics_host)
+    parser.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.prefix_caching,
+        help="keep the K/V of full prompt blocks and start prefills after a cached prefix",
+    )
+    parser.add_argument(
+        "--cache-routing",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.cache_aware_routing,
+        help="send a request to the worker caching its longest prefix (else: most free K/V)",
+    )
+    parser.add_argument(
+        "--routing-slack",
+        type=_non_negative_int,
+        default=defaults.routing_slack,
+        help="a worker caching the prefix is passed over when it runs more than this many "
+        "requests beyond the least loaded",
+    )
     args = parser.parse_args(argv)
     return SchedulerSettings(
         redis=redis_settings_from_args(args),
@@ -56,7 +75,20 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         max_waiting=args.max_waiting,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        prefix_caching=args.prefix_cache,
+        cache_aware_routing=args.cache_routing,
+        routing_slack=args.routing_slack,
     )
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
 
 
 async def serve(settings: SchedulerSettings) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ import structlog
 from redis.asyncio.client import Pipeline
 from redis.exceptions import AuthenticationError, RedisError
 
+from scheduler_actor.block_ledger import PrefixCacheStats
 from scheduler_actor.config import PolicyName, SchedulerConfig
 from scheduler_actor.core import Scheduler
 from scheduler_actor.event_handler import EventHandler, SchedulerCounters, queue_ack
@@ -33,6 +35,7 @@ from scheduler_actor.live_view import LiveView
 from scheduler_actor.metrics import SchedulerMetrics
 from scheduler_actor.recovery import recover, take_epoch
 from scheduler_actor.step_timing import StepTimingTotals
+from shared.hash_counters import queue_increments
 from shared.heartbeat import sleep_unless_set
 from shared.keys import SCHEDULER_GROUP, RedisKeys
 from shared.live_stats import PUBLISH_INTERVAL_S, TTL_MS, encode_snapshot
@@ -66,6 +69,9 @@ def scheduler_config(settings: SchedulerSettings, epoch: int) -> SchedulerConfig
         max_chunk_tokens=settings.max_chunk_tokens,
         max_waiting=settings.max_waiting,
         epoch=epoch,
+        prefix_caching=settings.prefix_caching,
+        cache_aware_routing=settings.cache_aware_routing,
+        routing_slack=settings.routing_slack,
     )
 
 
@@ -93,6 +99,7 @@ class SchedulerActor:
         self.metrics = SchedulerMetrics()
         self._live = LiveView()
         self._timing = StepTimingTotals()
+        self._prefix_cache_sent = PrefixCacheStats()  # the counts the hash has of this core
         self._next_timing_flush_s = 0.0
         self._epoch = 0
         self._decoders = {
@@ -119,8 +126,9 @@ class SchedulerActor:
         epoch = self._epoch = await take_epoch(self._redis, self.keys, self._epoch)
         core = Scheduler(scheduler_config(self.settings, epoch), self._clock)
         self.metrics.watch(core)
-        # Step indices start again with the new core.
+        # Step indices start again with the new core, and its cache counts from 0.
         self._live = LiveView()
+        self._prefix_cache_sent = PrefixCacheStats()
         self._handler = EventHandler(
             core,
             self._redis,
@@ -208,13 +216,17 @@ class SchedulerActor:
             # A request's submit stays pending until the request ends.
             if entry.stream != self.keys.requests:
                 queue_ack(pipe, self.keys, entry.stream, entry.entry_id)
+        cache_counts: PrefixCacheStats | None = None
         if len(pipe):
             if now >= self._next_timing_flush_s:
                 # A few times a second: the sums are for benchmarks, not per turn.
                 self._next_timing_flush_s = now + TIMING_FLUSH_S
                 self._timing.queue_flush(pipe, self.keys.step_timing)
+                cache_counts = self._queue_prefix_cache_counts(pipe)
             work_s = time.perf_counter() - work_started
             await self._lane.execute(pipe)
+            if cache_counts is not None:
+                self._prefix_cache_sent = cache_counts
             self._timing.add_turn(work_s, time.perf_counter() - work_started - work_s)
         self.metrics.plans_sent(plans, self.core)
         if now >= self._next_summary_s and (entries or self.core.requests):
@@ -227,6 +239,13 @@ class SchedulerActor:
                 num_waiting=self.core.num_waiting,
                 **vars(self._counters),
             )
+
+    def _queue_prefix_cache_counts(self, pipe: Pipeline) -> PrefixCacheStats:
+        """Add what the prefix caches did since the last sent counts to their
+        hash; returns the counts the hash has once ``pipe`` succeeds."""
+        stats = self.core.prefix_cache_stats
+        queue_increments(pipe, self.keys.prefix_cache, dict(stats.since(self._prefix_cache_sent)))
+        return dataclasses.replace(stats)
 
     def _publish_live_view(self, pipe: Pipeline) -> None:
         """The dashboard's snapshot; it vanishes ``TTL_MS`` after the last write."""

@@ -1,10 +1,24 @@
-"""Block accounting of one worker's paged K/V cache.
+"""The physical K/V blocks of one worker: who holds which, and which hold a cached prefix.
 
-The worker owns the block tables; the scheduler mirrors only block counts with
-the same rule, ``ceil(tokens / block_size)``, so it knows exactly what fits.
+The scheduler owns every worker's block tables (a plan grants the blocks), so
+this ledger is exact: a block is *free* (content meaningless), *held* by one
+or more requests (``refcount``), or *evictable* (held by nobody but keeping
+the K/V of a cached prefix block, found by its chain hash). Admission counts
+free and evictable blocks alike (``num_free``): an evictable block is evicted
+only when a request needs a block and no free one is left.
+
+Eviction: least recently released first, taken from the cache group that
+holds the most evictable blocks, so a tenant churning distinct prefixes
+evicts its own blocks before anyone else's (a max-min fair share of the
+cache). A request's blocks are released tail first, so a chain loses its
+last blocks before its first (a prefix is only found from its start).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -12,25 +26,130 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class PrefixCacheStats:
+    """What the prefix cache did on one worker (the stats the benchmarks read)."""
+
+    num_queries: int = 0  # placements that looked up a prefix
+    num_hits: int = 0  # of them, placements that found one block or more
+    num_query_tokens: int = 0  # prompt tokens looked up
+    num_hit_tokens: int = 0  # prompt tokens whose K/V came from the cache
+    num_evictions: int = 0  # cached blocks evicted to make room
+
+    def since(self, earlier: PrefixCacheStats) -> dict[str, int]:
+        """What changed since ``earlier`` (a copy of these stats), by field."""
+        return {
+            field.name: getattr(self, field.name) - getattr(earlier, field.name)
+            for field in fields(self)
+            if getattr(self, field.name) != getattr(earlier, field.name)
+        }
+
+
+class _LargestFirst:
+    """Evictable blocks per cache group, LRU within a group, the largest group first.
+
+    Sizes change by one at a time, so the largest size is tracked with
+    buckets of groups by size: every operation is O(1).
+    """
+
+    __slots__ = ("_by_size", "_groups", "_largest", "size")
+
+    def __init__(self) -> None:
+        self._groups: dict[str, OrderedDict[int, None]] = {}
+        self._by_size: dict[int, set[str]] = {}
+        self._largest = 0
+        self.size = 0
+
+    def push(self, group: str, block_id: int) -> None:
+        blocks = self._groups.setdefault(group, OrderedDict())
+        self._resize(group, len(blocks), len(blocks) + 1)
+        blocks[block_id] = None
+        self.size += 1
+
+    def remove(self, group: str, block_id: int) -> None:
+        blocks = self._groups[group]
+        del blocks[block_id]
+        self._resize(group, len(blocks) + 1, len(blocks))
+        if not blocks:
+            del self._groups[group]
+        self.size -= 1
+
+    def pop(self) -> tuple[str, int]:
+        """The least recently pushed block of the largest group."""
+        group = next(iter(self._by_size[self._largest]))
+        block_id = next(iter(self._groups[group]))
+        self.remove(group, block_id)
+        return group, block_id
+
+    def _resize(self, group: str, old: int, new: int) -> None:
+        if old:
+            bucket = self._by_size[old]
+            bucket.discard(group)
+            if not bucket:
+                del self._by_size[old]
+                if self._largest == old:
+                    self._largest = new if new > old else old - 1
+        if new:
+            self._by_size.setdefault(new, set()).add(group)
+            self._largest = max(self._largest, new)
+
+
 class BlockLedger:
-    """Counts the K/V blocks of one worker that the scheduler has handed out."""
+    """Every block of one worker: free, held (by refcount) or evictable (cached, unheld)."""
 
-    __slots__ = ("block_size", "num_blocks", "num_used")
+    __slots__ = (
+        "_block_of",
+        "_cached",
+        "_evictable",
+        "_free",
+        "_refcounts",
+        "block_size",
+        "num_blocks",
+        "num_used",
+        "prefix_caching",
+        "stats",
+    )
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = True,
+        stats: PrefixCacheStats | None = None,
+    ) -> None:
+        """``stats``: where to count what the cache does (shared by all workers'
+        ledgers, so the totals survive a worker that joins again)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_used = 0
+        self.prefix_caching = prefix_caching
+        self.num_used = 0  # blocks held by at least one request
+        self.stats = PrefixCacheStats() if stats is None else stats
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refcounts = [0] * num_blocks
+        # A cached block's chain hash and cache group, and the block of each hash.
+        self._cached: dict[int, tuple[bytes, str]] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictable = _LargestFirst()
 
     @property
     def num_free(self) -> int:
-        """Blocks not held by any request."""
+        """Blocks a request can be given: free ones and evictable cached ones."""
         return self.num_blocks - self.num_used
 
     @property
     def num_free_tokens(self) -> int:
-        """K/V slots in free blocks (comparable across block sizes)."""
+        """K/V slots in those blocks (comparable across block sizes)."""
         return self.num_free * self.block_size
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a cached prefix block, held or not."""
+        return len(self._cached)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks no request holds."""
+        return self._evictable.size
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks this worker needs for ``num_tokens`` slots."""
@@ -41,15 +160,74 @@ class BlockLedger:
         return self.blocks_for(num_tokens) <= self.num_blocks
 
     def can_allocate(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` more blocks are free."""
-        return self.num_used + num_blocks <= self.num_blocks
+        """Whether ``num_blocks`` more blocks can be given (evicting if need be)."""
+        return num_blocks <= self.num_free
 
-    def allocate(self, num_blocks: int) -> None:
-        """Hand out ``num_blocks``; the caller checked ``can_allocate``."""
-        assert num_blocks >= 0 and self.can_allocate(num_blocks), (num_blocks, self.num_free)
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks: free ones first, then evicted ones; the
+        caller checked ``can_allocate``."""
+        assert 0 <= num_blocks <= self.num_free, (num_blocks, self.num_free)
+        block_ids = []
+        for _ in range(num_blocks):
+            if self._free:
+                block_id = self._free.popleft()
+            else:
+                _group, block_id = self._evictable.pop()
+                hash_, _ = self._cached.pop(block_id)
+                del self._block_of[hash_]
+                self.stats.num_evictions += 1
+            self._refcounts[block_id] = 1
+            block_ids.append(block_id)
         self.num_used += num_blocks
+        return block_ids
 
-    def free(self, num_blocks: int) -> None:
-        """Take back ``num_blocks`` a request held."""
-        assert 0 <= num_blocks <= self.num_used, (num_blocks, self.num_used)
-        self.num_used -= num_blocks
+    def release(self, block_ids: Sequence[int]) -> None:
+        """A request lets go of its blocks (its table, in token order): a block
+        nobody holds any more is free, or evictable if it is cached."""
+        refcounts = self._refcounts
+        for block_id in reversed(block_ids):  # the chain's tail is evicted first
+            refcount = refcounts[block_id] - 1
+            assert refcount >= 0, block_id
+            refcounts[block_id] = refcount
+            if refcount:
+                continue
+            self.num_used -= 1
+            cached = self._cached.get(block_id)
+            if cached is None:
+                self._free.append(block_id)
+            else:
+                self._evictable.push(cached[1], block_id)
+
+    def match(self, hashes: Iterable[bytes]) -> list[int]:
+        """The blocks caching the longest prefix of a chain of block hashes."""
+        block_of = self._block_of
+        block_ids = []
+        for hash_ in hashes:
+            block_id = block_of.get(hash_)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def num_revived(self, block_ids: Iterable[int]) -> int:
+        """How many of these cached blocks nobody holds: taking them uses up free capacity."""
+        refcounts = self._refcounts
+        return sum(1 for block_id in block_ids if not refcounts[block_id])
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Hold cached blocks (a prefix hit); an evictable one is revived."""
+        refcounts = self._refcounts
+        for block_id in block_ids:
+            if not refcounts[block_id]:
+                self._evictable.remove(self._cached[block_id][1], block_id)
+                self.num_used += 1
+            refcounts[block_id] += 1
+
+    def commit(self, block_id: int, hash_: bytes, group: str) -> None:
+        """A held block is full and its K/V written: cache it under its chain
+        hash. A block already cached, or a hash another block caches already
+        (the same prefix computed twice), stays as it is."""
+        assert self._refcounts[block_id] > 0, block_id
+        if self.prefix_caching and block_id not in self._cached and hash_ not in self._block_of:
+            self._cached[block_id] = (hash_, group)
+            self._block_of[hash_] = block_id

@@ -31,7 +31,12 @@ class SchedulerConfig:
     ``max_inflight``). ``max_waiting`` caps the requests waiting for a
     worker, all tenants together (a submit beyond it is refused with
     QueueFullError; None: no cap); the service's is ``--max-waiting``
-    (10,000).
+    (10,000). ``prefix_caching`` keeps the K/V of full prompt blocks after
+    their requests leave and starts a prefill after its longest cached
+    prefix (``prefix_cache.py``); with ``cache_aware_routing`` and several
+    workers a request goes to the one caching its longest prefix unless that
+    one runs more than ``routing_slack`` requests beyond the least loaded
+    (``Scheduler._is_preferred``).
     """
 
     policy: PolicyName = PolicyName.FAIR
@@ -44,6 +49,9 @@ class SchedulerConfig:
     overlap: bool = True
     max_waiting: int | None = None
     epoch: int = 0
+    prefix_caching: bool = True
+    cache_aware_routing: bool = True
+    routing_slack: int = 8
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -54,6 +62,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.routing_slack < 0:
+            raise ConfigError(f"routing_slack must be >= 0, got {self.routing_slack}")
         if self.w_in < 0 or self.w_out < 0 or self.w_in + self.w_out == 0:
             raise ConfigError("w_in and w_out must be >= 0 and not both 0")
         for tenant, weight in self.tenant_weights.items():

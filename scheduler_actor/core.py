@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from scheduler_actor.block_ledger import BlockLedger
+from scheduler_actor.block_ledger import BlockLedger, PrefixCacheStats
 from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.errors import (
     DuplicateRequestError,
@@ -28,6 +28,7 @@ from scheduler_actor.errors import (
 from scheduler_actor.placement import KvRelease, Placements
 from scheduler_actor.plan_builder import PlanBuilder
 from scheduler_actor.policy import make_policy
+from scheduler_actor.prefix_cache import cache_group_of, commit_written, prefix_hit
 from scheduler_actor.request import EndReason, FinishedRequest, Request, RequestStatus
 from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
@@ -39,6 +40,8 @@ from shared.settings import MAX_INFLIGHT
 # crash) while it ran ends with an error: it may be what kills them.
 MAX_WORKERS_LOST = 2
 WORKERS_LOST_MESSAGE = "the request was on two workers that failed"
+# Token ids are hashed as 64-bit integers (prefix_cache.py); the model checks its vocabulary.
+MIN_TOKEN_ID, MAX_TOKEN_ID = -(2**63), 2**63 - 1
 
 
 class Scheduler:
@@ -58,6 +61,8 @@ class Scheduler:
         # One counter for all workers, so a result of a lost worker's plan
         # never matches a plan of its next incarnation.
         self._next_step_index = 0
+        # What the prefix caches of all workers did, since this core started.
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -96,6 +101,8 @@ class Scheduler:
         already: neither queue limit refuses it again."""
         if not prompt_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        if min(prompt_ids) < MIN_TOKEN_ID or max(prompt_ids) > MAX_TOKEN_ID:
+            raise InvalidRequestError(f"request {request_id!r} has a token id beyond 64 bits")
         if sampling.max_tokens < 1:
             raise InvalidRequestError(f"request {request_id!r} has max_tokens < 1")
         if len(generated_ids) >= sampling.max_tokens:
@@ -129,6 +136,7 @@ class Scheduler:
             arrival_seq=self._next_arrival_seq,
             gateway_id=gateway_id,
             generated_ids=list(generated_ids),
+            cache_group=cache_group_of(tenant, limits.cache_group if limits else None),
         )
         self._next_arrival_seq += 1
         self._requests[request_id] = request
@@ -170,7 +178,9 @@ class Scheduler:
             worker_id=worker_id,
             join_seq=self._next_join_seq,
             max_inflight=max_inflight,
-            ledger=BlockLedger(num_blocks, block_size),
+            ledger=BlockLedger(
+                num_blocks, block_size, self.config.prefix_caching, self.prefix_cache_stats
+            ),
         )
         self._next_join_seq += 1
 
@@ -225,6 +235,8 @@ class Scheduler:
             return []
         # Locals: this loop runs for every token of every step.
         worker_id, placed, requests = worker.worker_id, RequestStatus.PLACED, self._requests
+        ledger = worker.ledger
+        block_size = ledger.block_size
         for planned in batch:
             if planned.status is placed and planned.worker_id == worker_id:
                 planned.num_inflight -= 1
@@ -243,6 +255,13 @@ class Scheduler:
             if token.index != len(generated_ids):
                 continue
             generated_ids.append(token.token_id)
+            # Every position before the newest token's holds K/V once a step of
+            # this placement sampled it: the blocks it filled are cached.
+            num_written = len(request.prompt_ids) + len(generated_ids) - 1
+            if num_written // block_size > request.num_committed_blocks and len(
+                generated_ids
+            ) > len(request.context_ids) - len(request.prompt_ids):
+                commit_written(ledger, request, num_written)
             tenant = request.tenant
             num_tokens_by_tenant[tenant] = num_tokens_by_tenant.get(tenant, 0) + 1
             reason: FinishReason | None = token.finish_reason
@@ -303,15 +322,40 @@ class Scheduler:
         return max_waiting is not None and self.num_waiting >= max_waiting
 
     def _is_preferred(self, worker: WorkerState, request: Request) -> bool:
-        """Place on the worker with the most free K/V that could ever hold the
-        request; ties by fewest placed requests, then by join order."""
+        """The routing rule: among the workers that could ever hold the
+        request, the one caching its longest prefix (one block at least),
+        unless that one runs more than ``config.routing_slack`` requests beyond
+        the least loaded of them or has too few free blocks for the request's
+        context now; otherwise (and when no worker caches any of it) the one
+        with the most free K/V. Ties by fewest placed requests, then by join
+        order."""
+        workers = self._workers
+        if len(workers) == 1:
+            return worker.ledger.can_hold(request.num_max_context_tokens)
         num_tokens = request.num_max_context_tokens
+        candidates = [w for w in workers.values() if w.ledger.can_hold(num_tokens)]
+        if not candidates:
+            return False
+        least_placed = min(len(candidate.placed) for candidate in candidates)
+        num_context_tokens = len(request.prompt_ids) + len(request.generated_ids)
         best: WorkerState | None = None
-        best_key = (0, 0, 0)
-        for candidate in self._workers.values():
-            if not candidate.ledger.can_hold(num_tokens):
-                continue
-            key = (candidate.ledger.num_free_tokens, -len(candidate.placed), -candidate.join_seq)
+        best_key = (0, 0, 0, 0)
+        for candidate in candidates:
+            ledger = candidate.ledger
+            num_hit_blocks = 0
+            if (
+                self.config.cache_aware_routing
+                and len(candidate.placed) <= least_placed + self.config.routing_slack
+            ):
+                hit = prefix_hit(ledger, request)
+                needed = ledger.blocks_for(num_context_tokens) - len(hit) + ledger.num_revived(hit)
+                num_hit_blocks = len(hit) if needed <= ledger.num_free else 0
+            key = (
+                num_hit_blocks * ledger.block_size,
+                ledger.num_free_tokens,
+                -len(candidate.placed),
+                -candidate.join_seq,
+            )
             if best is None or key > best_key:
                 best, best_key = candidate, key
         return best is worker

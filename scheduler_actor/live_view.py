@@ -88,7 +88,7 @@ class LiveView:
             WorkerLive(
                 worker_id=worker_id,
                 blocks_used=worker.ledger.num_used,
-                blocks_cached=0,  # no prefix cache yet
+                blocks_cached=worker.ledger.num_evictable,
                 blocks_total=worker.ledger.num_blocks,
                 num_running=len(worker.placed),
                 steps=list(self._steps.get(worker_id, ())),

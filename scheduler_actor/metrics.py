@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from scheduler_actor.core import Scheduler
@@ -69,10 +69,12 @@ class _CoreView(Collector):
     def describe(self) -> Iterator[Metric]:
         # Describing without collecting keeps registration independent of a core.
         yield from _gauges()
+        yield from _prefix_cache_counters()
 
     def collect(self) -> Iterator[Metric]:
         gauges = _gauges()
-        waiting, running, blocks_used, blocks_total, usage, vtc_service = gauges
+        waiting, running, blocks_used, blocks_total, usage, vtc_service, blocks_cached = gauges
+        counters = _prefix_cache_counters()
         core = self.core
         if core is not None:
             # The tenants with a request waiting or running, and their counts,
@@ -86,9 +88,46 @@ class _CoreView(Collector):
                 blocks_used.add_metric([worker_id], blocks.num_used)
                 blocks_total.add_metric([worker_id], blocks.num_blocks)
                 usage.add_metric([worker_id], blocks.num_used / blocks.num_blocks)
+                blocks_cached.add_metric([worker_id], blocks.num_cached)
             for tenant, counter in core.vtc.counters.items():
                 vtc_service.add_metric([tenant], counter)
+            stats = core.prefix_cache_stats
+            values = (
+                stats.num_queries,
+                stats.num_hits,
+                stats.num_query_tokens,
+                stats.num_hit_tokens,
+                stats.num_evictions,
+            )
+            for counter, value in zip(counters, values, strict=True):
+                counter.add_metric([], value)
         yield from gauges
+        yield from counters
+
+
+def _prefix_cache_counters() -> tuple[CounterMetricFamily, ...]:
+    return (
+        CounterMetricFamily(
+            "orcapod:prefix_cache_queries",
+            "Placements that looked up a cached prompt prefix (all workers).",
+        ),
+        CounterMetricFamily(
+            "orcapod:prefix_cache_hits",
+            "Placements that found at least one cached block of their prompt.",
+        ),
+        CounterMetricFamily(
+            "orcapod:prefix_cache_query_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+        ),
+        CounterMetricFamily(
+            "orcapod:prefix_cache_hit_tokens",
+            "Prompt tokens whose K/V came from the prefix cache (not computed).",
+        ),
+        CounterMetricFamily(
+            "orcapod:prefix_cache_evictions",
+            "Cached K/V blocks evicted to make room for new ones.",
+        ),
+    )
 
 
 def _gauges() -> tuple[GaugeMetricFamily, ...]:
@@ -123,5 +162,10 @@ def _gauges() -> tuple[GaugeMetricFamily, ...]:
             "A tenant's virtual token counter (VTC): weighted tokens served, "
             "divided by the tenant's weight.",
             labels=["tenant"],
+        ),
+        GaugeMetricFamily(
+            "orcapod:kv_blocks_cached",
+            "K/V blocks of a worker caching a prompt prefix (held or evictable).",
+            labels=["worker"],
         ),
     )

@@ -101,8 +101,8 @@ class Placements:
             return []
         held, worker.held = worker.held, []
         for request in held:
-            worker.ledger.free(request.num_blocks)
-            request.num_blocks = 0
+            worker.ledger.release(request.block_ids)
+            request.block_ids = []
         return held
 
     def _place(self, request: Request, worker: WorkerState) -> None:
@@ -116,7 +116,12 @@ class Placements:
         worker.placed[request.request_id] = request
         self._tenants.placed(request.tenant)
         if is_first:
-            self._vtc.charge(request.tenant, len(request.prompt_ids), 0)
+            # Only the prompt tokens computed are charged: a cached one is
+            # work done (and charged) once before, by this tenant's cache group.
+            num_computed = len(request.prompt_ids) - min(
+                request.num_cached_tokens, len(request.prompt_ids)
+            )
+            self._vtc.charge(request.tenant, num_computed, 0)
 
     def _leave_worker(self, request: Request, kv: KvRelease) -> None:
         assert request.worker_id is not None
@@ -126,8 +131,8 @@ class Placements:
         if kv is KvRelease.AT_BATCH_END:
             worker.held.append(request)
         else:
-            worker.ledger.free(request.num_blocks)
-            request.num_blocks = 0
+            worker.ledger.release(request.block_ids)
+            request.block_ids = []
             if kv is KvRelease.TELL_WORKER:
                 worker.pending_release_ids.append(request.request_id)
         # What a placement planned is gone with it; a later one starts over.
@@ -135,3 +140,5 @@ class Placements:
         request.num_prefill_planned = 0
         request.num_decodes_planned = 0
         request.num_inflight = 0
+        request.num_cached_tokens = 0
+        request.num_committed_blocks = 0

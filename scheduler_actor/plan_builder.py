@@ -1,15 +1,17 @@
 """Building one StepPlan: the block-exact mechanics every policy shares.
 
 A policy decides *who* runs; the builder does the bookkeeping of *running*
-them: placing a request on the worker and preempting it (both through
-``Placements.move``), allocating K/V blocks on demand (check then act:
+them: placing a request on the worker, from its longest cached prefix on,
+and preempting it (both through ``Placements.move``), allocating K/V blocks
+on demand and granting them in the plan (check then act:
 ``can_decode``/``decode``, ``num_prefill_fits``/``prefill``,
-``can_reserve``/``reserve``).
+``blocks_to_place``/``place``, ``can_reserve``/``reserve``).
 """
 
 from __future__ import annotations
 
 from scheduler_actor.placement import Placements
+from scheduler_actor.prefix_cache import prefix_hit
 from scheduler_actor.request import Request, RequestStatus
 from scheduler_actor.worker_state import WorkerState
 from shared.messages import PrefillChunk, RequestSpec, StepPlan
@@ -19,6 +21,7 @@ class PlanBuilder:
     """Accumulates one iteration of one worker."""
 
     __slots__ = (
+        "block_grants",
         "decode_request_ids",
         "epoch",
         "max_plans_per_request",
@@ -52,6 +55,7 @@ class PlanBuilder:
         self.new_requests: list[RequestSpec] = []
         self.prefill_chunks: list[PrefillChunk] = []
         self.decode_request_ids: list[str] = []
+        self.block_grants: dict[str, list[int]] = {}
         self.scheduled: list[Request] = []
         self.scheduled_ids: set[str] = set()
         self.num_new_tokens = 0
@@ -61,10 +65,34 @@ class PlanBuilder:
         """Requests in this plan so far."""
         return len(self.scheduled)
 
+    def blocks_to_place(self, request: Request, num_tokens: int) -> int:
+        """Of this worker's free (and evictable) blocks, how many placing a
+        waiting request with ``num_tokens`` slots uses: its blocks less those
+        its cached prefix already holds, plus the cached ones nobody holds."""
+        ledger = self.worker.ledger
+        hit = prefix_hit(ledger, request)
+        return ledger.blocks_for(num_tokens) - len(hit) + ledger.num_revived(hit)
+
     def place(self, request: Request) -> None:
         """Put a waiting request on this worker; its context is recomputed from
-        the prompt plus whatever it generated before."""
+        the prompt plus whatever it generated before, after its longest
+        prefix cached here (whose blocks it now holds too)."""
+        ledger = self.worker.ledger
+        hit = prefix_hit(ledger, request)
+        ledger.acquire(hit)
+        request.block_ids = hit
+        request.num_cached_tokens = len(hit) * ledger.block_size
+        request.num_committed_blocks = len(hit)
+        if ledger.prefix_caching:
+            stats = ledger.stats
+            stats.num_queries += 1
+            stats.num_hits += bool(hit)
+            stats.num_query_tokens += len(request.prompt_ids) + len(request.generated_ids)
+            stats.num_hit_tokens += request.num_cached_tokens
         self.placements.move(request, self.worker)
+        request.num_prefill_planned = request.num_cached_tokens
+        if hit:
+            self.block_grants[request.request_id] = list(hit)
         self.new_requests.append(
             RequestSpec(
                 request_id=request.request_id,
@@ -72,6 +100,7 @@ class PlanBuilder:
                 sampling=request.sampling,
                 num_generated=len(request.generated_ids),
                 gateway_id=request.gateway_id,
+                num_cached_tokens=request.num_cached_tokens,
             )
         )
 
@@ -79,18 +108,14 @@ class PlanBuilder:
         """Whether the request's next step may be planned in this plan."""
         return request.can_continue(self.max_plans_per_request)
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` slots can be reserved up front on this worker."""
-        ledger = self.worker.ledger
-        return ledger.can_allocate(ledger.blocks_for(num_tokens))
+    def can_reserve(self, request: Request, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` slots can be reserved up front on this worker
+        for a waiting request."""
+        return self.worker.ledger.can_allocate(self.blocks_to_place(request, num_tokens))
 
     def reserve(self, request: Request, num_tokens: int) -> None:
         """Reserve ``num_tokens`` slots for a request just placed (orca, request)."""
-        ledger = self.worker.ledger
-        num_blocks = ledger.blocks_for(num_tokens) - request.num_blocks
-        if num_blocks > 0:
-            ledger.allocate(num_blocks)
-            request.num_blocks += num_blocks
+        self._grant(request, self.worker.ledger.blocks_for(num_tokens) - request.num_blocks)
 
     def num_prefill_fits(self, request: Request, num_tokens: int) -> int:
         """Largest prompt chunk of at most ``num_tokens`` whose blocks are free."""
@@ -101,7 +126,7 @@ class PlanBuilder:
     def prefill(self, request: Request, num_tokens: int) -> None:
         """Run the next ``num_tokens`` of the request's context in this step."""
         assert 0 < num_tokens <= len(request.context_ids) - request.num_prefill_planned
-        self._grow(request, num_tokens)
+        self._grant(request, self._blocks_to_grow(request, num_tokens))
         start = request.num_prefill_planned
         self.prefill_chunks.append(
             PrefillChunk(
@@ -121,7 +146,7 @@ class PlanBuilder:
 
     def decode(self, request: Request) -> None:
         """Decode one token of the request in this step."""
-        self._grow(request, 1)
+        self._grant(request, self._blocks_to_grow(request, 1))
         request.num_decodes_planned += 1
         self.decode_request_ids.append(request.request_id)
         self._schedule(request, 1)
@@ -159,14 +184,19 @@ class PlanBuilder:
             prefill_chunks=self.prefill_chunks,
             decode_request_ids=self.decode_request_ids,
             released_request_ids=released_request_ids,
+            block_grants=self.block_grants,
         )
 
-    def _grow(self, request: Request, num_tokens: int) -> None:
+    def _blocks_to_grow(self, request: Request, num_tokens: int) -> int:
         ledger = self.worker.ledger
-        needed = ledger.blocks_for(request.num_tokens_planned + num_tokens) - request.num_blocks
-        if needed > 0:
-            ledger.allocate(needed)
-            request.num_blocks += needed
+        return ledger.blocks_for(request.num_tokens_planned + num_tokens) - request.num_blocks
+
+    def _grant(self, request: Request, num_blocks: int) -> None:
+        """Give the request ``num_blocks`` more blocks, in this plan."""
+        if num_blocks > 0:
+            block_ids = self.worker.ledger.allocate(num_blocks)
+            request.block_ids += block_ids
+            self.block_grants.setdefault(request.request_id, []).extend(block_ids)
 
     def _schedule(self, request: Request, num_tokens: int) -> None:
         assert request.request_id not in self.scheduled_ids

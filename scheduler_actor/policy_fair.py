@@ -6,7 +6,8 @@ already placed, then new admissions, until ``token_budget`` new tokens or
 ``max_batch_size`` requests. A decode that cannot get a block preempts a
 victim from the tenant with the most service (latest arrival first). A new
 request is admitted only if the free blocks, less what the placed requests
-still need to finish their prompts, hold its whole context: prompts then never
+still need to finish their prompts, hold its whole context (less its cached
+prefix, whose blocks it shares; see ``PlanBuilder.blocks_to_place``): prompts then never
 wait on each other forever, and only decodes ever preempt. A tenant at its
 ``max_in_flight`` is passed over at admission; the others are admitted.
 """
@@ -139,11 +140,12 @@ class FairPolicy:
             if request is None or not self._is_preferred(worker, request):
                 return
             num_context_tokens = len(request.prompt_ids) + len(request.generated_ids)
-            num_blocks = ledger.blocks_for(num_context_tokens)
-            if num_blocks > ledger.num_free - num_pending_blocks:
+            if builder.blocks_to_place(request, num_context_tokens) > (
+                ledger.num_free - num_pending_blocks
+            ):
                 return
             builder.place(request)
             room = min(config.token_budget - builder.num_new_tokens, config.max_chunk_tokens)
-            num_tokens = min(room, num_context_tokens)
+            num_tokens = min(room, num_context_tokens - request.num_prefill_planned)
             builder.prefill(request, num_tokens)
-            num_pending_blocks += num_blocks - request.num_blocks
+            num_pending_blocks += ledger.blocks_for(num_context_tokens) - request.num_blocks

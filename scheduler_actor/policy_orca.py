@@ -48,7 +48,7 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
                 index += 1
             elif head is not None:
                 if not self._is_preferred(builder.worker, head) or not builder.can_reserve(
-                    head.num_max_context_tokens
+                    head, head.num_max_context_tokens
                 ):
                     head = None  # admission stops at the first reservation that fails
                     continue

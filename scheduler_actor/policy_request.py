@@ -37,8 +37,8 @@ class RequestLevelPolicy(ArrivalOrderPolicyBase):
             request = queue.peek(self._tenants.can_run)
             if request is None or not self._is_preferred(builder.worker, request):
                 return
-            if not builder.can_reserve(request.num_max_context_tokens):
+            if not builder.can_reserve(request, request.num_max_context_tokens):
                 return
             builder.place(request)
             builder.reserve(request, request.num_max_context_tokens)
-            builder.prefill(request, len(request.context_ids))
+            builder.prefill(request, len(request.context_ids) - request.num_prefill_planned)

@@ -37,7 +37,9 @@ class Request:
     While placed, ``context_ids`` is what the worker prefills (the prompt plus
     the tokens generated before this placement: a recompute), and the
     ``num_*_planned`` counters include every step already planned, whether or
-    not its result has returned.
+    not its result has returned. ``block_ids`` is its block table on that
+    worker (the first ``num_cached_tokens`` slots came from the prefix cache;
+    its first ``num_committed_blocks`` blocks are cached).
     """
 
     request_id: str
@@ -54,13 +56,24 @@ class Request:
     context_ids: list[int] = field(default_factory=list)
     num_prefill_planned: int = 0
     num_decodes_planned: int = 0
-    num_blocks: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_committed_blocks: int = 0
     num_inflight: int = 0
     num_iterations: int = 0
     num_preemptions: int = 0
     gateway_id: str = ""
     # Workers lost (heartbeat timeout, re-join after a crash) while it was placed on them.
     num_workers_lost: int = 0
+    # Whose cached prefixes it may hit (``prefix_cache.cache_group_of``), and
+    # the chain hashes of its full blocks, by block size (computed as needed).
+    cache_group: str = ""
+    block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        """K/V blocks it holds on its worker."""
+        return len(self.block_ids)
 
     @property
     def max_tokens(self) -> int:

@@ -1,19 +1,23 @@
 """A simulated GPU worker: executes StepPlans on counters instead of a model.
 
 It follows the worker's side of shared/messages.py exactly (releases, then
-registrations, then chunks and decodes; a token is sampled after the chunk
-that completes the prompt and after each decode; a decode of a finished
-request is skipped; a finished request's blocks are freed), counts its own
-K/V blocks, and raises SimulatedWorkerError on any plan that breaks the
-protocol or overflows its cache. The simulator and the property tests use it.
+registrations, then block grants, then chunks and decodes; a token is sampled
+after the chunk that completes the prompt and after each decode; a decode of
+a finished request is skipped; a finished request's table is forgotten). It
+keeps the token written in every slot of every block, and raises
+SimulatedWorkerError on any plan that breaks the protocol: a block out of
+range, a write outside the granted blocks or into a block another running
+request holds, a cached prefix whose blocks do not hold the request's tokens
+(checked against ``expected_tokens`` when given). The simulator and the
+property tests use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from scheduler_actor.block_ledger import num_blocks_for
 from scheduler_actor.cost_model import CostModel
 from shared.messages import FinishReason, SampledToken, StepOutput, StepPlan
 
@@ -28,7 +32,8 @@ class _Sequence:
     num_generated: int
     max_tokens: int
     num_kv_tokens: int = 0
-    context_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    last_token_id: int = -1
 
 
 class SimulatedWorker:
@@ -42,21 +47,24 @@ class SimulatedWorker:
         block_size: int,
         cost_model: CostModel,
         stop_indices: Mapping[str, int] | None = None,
+        expected_tokens: Callable[[str], list[int]] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._cost_model = cost_model
         self._stop_indices = stop_indices or {}
+        self._expected_tokens = expected_tokens
         self._sequences: dict[str, _Sequence] = {}
+        # The token whose K/V each slot holds (-1: never written).
+        self._slots = [-1] * (num_blocks * block_size)
         self.num_steps = 0
+        self.num_cached_tokens = 0  # prompt tokens it was told are cached, all requests
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks holding K/V of live sequences."""
-        return sum(
-            num_blocks_for(s.num_kv_tokens, self.block_size) for s in self._sequences.values()
-        )
+        """Distinct blocks in the tables of live sequences."""
+        return len({b for sequence in self._sequences.values() for b in sequence.block_ids})
 
     def execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
         """Run one plan; returns its output and simulated duration in seconds."""
@@ -68,8 +76,19 @@ class SimulatedWorker:
             if spec.request_id in self._sequences:
                 raise SimulatedWorkerError(f"{spec.request_id} registered twice")
             self._sequences[spec.request_id] = _Sequence(
-                spec.num_prompt_tokens, spec.num_generated, spec.sampling.max_tokens
+                spec.num_prompt_tokens,
+                spec.num_generated,
+                spec.sampling.max_tokens,
+                num_kv_tokens=spec.num_cached_tokens,
             )
+        for request_id, block_ids in plan.block_grants.items():
+            if any(not 0 <= block_id < self.num_blocks for block_id in block_ids):
+                raise SimulatedWorkerError(f"{request_id} granted a block out of range")
+            if request_id in self._sequences:
+                self._sequences[request_id].block_ids += block_ids
+        for spec in plan.new_requests:
+            self._check_cached_prefix(spec.request_id, spec.num_cached_tokens)
+        holders = Counter(b for sequence in self._sequences.values() for b in sequence.block_ids)
         tokens: list[SampledToken] = []
         num_new_tokens = 0
         num_attended = 0
@@ -81,8 +100,7 @@ class SimulatedWorker:
             if num == 0 or sequence.num_kv_tokens + num > sequence.num_prompt_tokens:
                 raise SimulatedWorkerError(f"chunk of {chunk.request_id} has a bad length")
             num_attended += num * sequence.num_kv_tokens + num * (num + 1) // 2
-            sequence.num_kv_tokens += num
-            sequence.context_ids += chunk.token_ids
+            self._write(chunk.request_id, sequence, chunk.token_ids, holders)
             num_new_tokens += num
             if sequence.num_kv_tokens == sequence.num_prompt_tokens:
                 tokens.append(self._sample(chunk.request_id, sequence))
@@ -92,13 +110,11 @@ class SimulatedWorker:
                 continue  # finished at an earlier step (overlap) or released
             if sequence.num_kv_tokens < sequence.num_prompt_tokens:
                 raise SimulatedWorkerError(f"decode of {request_id} before its prompt ran")
-            sequence.num_kv_tokens += 1
+            self._write(request_id, sequence, [sequence.last_token_id], holders)
             num_attended += sequence.num_kv_tokens
             num_new_tokens += 1
             tokens.append(self._sample(request_id, sequence))
-        if self.num_used_blocks > self.num_blocks:
-            raise SimulatedWorkerError(f"{self.worker_id} overflowed its {self.num_blocks} blocks")
-        # The worker frees a finished request's blocks at the end of the step.
+        # The worker forgets a finished request's table at the end of the step.
         for token in tokens:
             if token.finish_reason is not None:
                 del self._sequences[token.request_id]
@@ -114,6 +130,44 @@ class SimulatedWorker:
         )
         return output, step_s
 
+    def _check_cached_prefix(self, request_id: str, num_cached_tokens: int) -> None:
+        """A request admitted after a cached prefix: its granted blocks hold it."""
+        if not num_cached_tokens:
+            return
+        self.num_cached_tokens += num_cached_tokens
+        sequence = self._sequences[request_id]
+        size = self.block_size
+        if num_cached_tokens % size or num_cached_tokens > len(sequence.block_ids) * size:
+            raise SimulatedWorkerError(
+                f"{request_id}: {num_cached_tokens} cached tokens off blocks"
+            )
+        cached = [
+            self._slots[block_id * size + offset]
+            for block_id in sequence.block_ids[: num_cached_tokens // size]
+            for offset in range(size)
+        ]
+        if -1 in cached:
+            raise SimulatedWorkerError(f"{request_id}: its cached prefix was never written")
+        if self._expected_tokens is not None:
+            expected = self._expected_tokens(request_id)[:num_cached_tokens]
+            if cached != expected:
+                raise SimulatedWorkerError(f"{request_id}: its cached prefix holds other tokens")
+
+    def _write(
+        self, request_id: str, sequence: _Sequence, token_ids: list[int], holders: Counter[int]
+    ) -> None:
+        """Write K/V for the next positions of the sequence, into its own blocks only."""
+        size = self.block_size
+        for token_id in token_ids:
+            position = sequence.num_kv_tokens
+            if position // size >= len(sequence.block_ids):
+                raise SimulatedWorkerError(f"{request_id} writes past its granted blocks")
+            block_id = sequence.block_ids[position // size]
+            if holders[block_id] > 1:
+                raise SimulatedWorkerError(f"{request_id} writes into block {block_id}, shared")
+            self._slots[block_id * size + position % size] = token_id
+            sequence.num_kv_tokens += 1
+
     def _sample(self, request_id: str, sequence: _Sequence) -> SampledToken:
         index = sequence.num_generated
         sequence.num_generated += 1
@@ -123,4 +177,5 @@ class SimulatedWorker:
         elif self._stop_indices.get(request_id) == index:
             reason = "stop"
         # A token id derived from the position, so a recompute can be checked.
+        sequence.last_token_id = 1000 + index
         return SampledToken(request_id, 1000 + index, index, reason)

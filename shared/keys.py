@@ -56,6 +56,12 @@ class RedisKeys:
         return f"{self.prefix}:stats"
 
     @property
+    def prefix_cache(self) -> str:
+        """Hash of the prefix cache's counters, all workers together (fields of
+        scheduler_actor/block_ledger.py ``PrefixCacheStats``), for the benchmarks."""
+        return f"{self.prefix}:prefix_cache"
+
+    @property
     def step_timing(self) -> str:
         """Hash: where the steps' time went, summed by the scheduler
         (scheduler_actor/step_timing.py), for bench/control_plane.py."""

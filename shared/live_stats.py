@@ -36,7 +36,7 @@ class StepRecord(msgspec.Struct, frozen=True, array_like=True):
 class WorkerLive(msgspec.Struct, frozen=True):
     worker_id: str
     blocks_used: int
-    blocks_cached: int  # kept for reuse, evictable (0 until prefix caching)
+    blocks_cached: int  # held by nobody, kept for their cached prefix (evictable)
     blocks_total: int
     num_running: int
     steps: list[StepRecord]  # oldest first, at most MAX_STEPS_PER_WORKER

@@ -5,9 +5,11 @@ right type) and a ``version`` field. MessagePack on Redis, one encoder.
 
 A plan is one iteration of one worker (Orca's iteration-level scheduling):
 the scheduler names, for every scheduled request, the prompt chunk it runs
-this step or that it decodes one token. The worker owns the block tables of
-its paged K/V cache; the scheduler mirrors only block *counts*
-(``ceil(tokens / block_size)``), which is enough to know exactly what fits.
+this step or that it decodes one token. The scheduler owns the block tables
+of every worker's paged K/V cache: a plan grants each request the physical
+blocks it needs (``StepPlan.block_grants``), shared cached blocks of a prompt
+prefix included, so the scheduler knows exactly what fits and what is cached;
+the worker only writes and reads the blocks it is told to.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import msgspec
 WIRE_VERSION = 1
 
 FinishReason = Literal["stop", "length", "cancelled"]
+# An operator's name for tenants that share their prefix cache (tenants file).
+CacheGroupName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 
 # The sampling values the service admits and what the sampler does with them
 # (one place, cited by docs/architecture.md; gpu_worker/sampler.py applies them).
@@ -65,6 +69,10 @@ class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``num_generated`` tokens already sent to the client, so the next sampled
     token has generation index ``num_generated`` and ``max_tokens`` still
     counts from the original prompt.
+
+    ``num_cached_tokens``: the first tokens whose K/V is already in the blocks
+    this plan grants the request (a cached prefix: whole blocks, fewer than
+    ``num_prompt_tokens``); its first prompt chunk starts there.
     """
 
     request_id: str
@@ -72,6 +80,7 @@ class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sampling: SamplingParams
     num_generated: int = 0
     gateway_id: str = ""  # where the worker publishes this request's tokens
+    num_cached_tokens: int = 0
 
 
 class PrefillChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,12 +98,15 @@ class PrefillChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class StepPlan(msgspec.Struct, frozen=True, tag="step_plan", forbid_unknown_fields=True):
     """One iteration of one worker: a single forward pass over all new tokens.
 
-    Order of effects on the worker: release ``released_request_ids`` (their
-    K/V blocks go back to the pool), register ``new_requests``, then run every
+    Order of effects on the worker: forget ``released_request_ids`` (and their
+    block tables), register ``new_requests``, append ``block_grants`` (request
+    id -> physical block ids) to the requests' block tables, then run every
     prefill chunk and one decode token for each of ``decode_request_ids`` (the
     worker feeds each its last sampled token) in one selective-batched step.
     A decode for a request the worker already finished (it may be planned
-    before the result that finished it returned: overlap) is skipped.
+    before the result that finished it returned: overlap) is skipped. Every
+    slot a step writes lies in a block granted before; the worker never picks
+    or frees a block itself (a finished request's table is just forgotten).
     """
 
     worker_id: str
@@ -107,6 +119,7 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step_plan", forbid_unknown_fiel
     version: int = WIRE_VERSION
     # Wall clock (time.time()) when the scheduler sent it; 0.0 when not stamped.
     planned_at: float = 0.0
+    block_grants: dict[str, list[int]] = {}
 
     @property
     def num_new_tokens(self) -> int:
@@ -116,15 +129,19 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step_plan", forbid_unknown_fiel
         )
 
 
-class SampledToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class SampledToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A token sampled for one request; ``index`` is its position among the
     request's generated tokens (0 for the first), the client's ``seq``.
-    ``finish_reason`` is set on the request's last token."""
+    ``finish_reason`` is set on the request's last token. The first token of
+    each placement carries ``num_cached_tokens``, the prompt tokens of that
+    placement whose K/V came from the prefix cache (the client's
+    ``usage.prompt_tokens_details.cached_tokens`` is the first token's)."""
 
     request_id: str
     token_id: int
     index: int
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int | None = None
 
 
 class RequestFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -186,6 +203,9 @@ class TenantLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     max_queued: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Tenants of one cache group share cached prompt prefixes; None: the
+    # tenant's own group (no other tenant can hit, or time, its cache).
+    cache_group: CacheGroupName | None = None
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, tag="submit", forbid_unknown_fields=True):

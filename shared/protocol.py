@@ -119,9 +119,16 @@ class Token(msgspec.Struct, frozen=True, tag="token", tag_field="type"):
     token_id: int
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    """Of the prompt tokens, ``cached_tokens`` had their K/V in the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class Timings(msgspec.Struct, frozen=True):

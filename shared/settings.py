@@ -149,6 +149,11 @@ class SchedulerSettings:
     # Prometheus metrics at http://metrics_host:metrics_port/metrics; None: not served.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
+    # Automatic prefix caching, and routing a request to the worker caching
+    # its longest prefix (within routing_slack requests of the least loaded).
+    prefix_caching: bool = True
+    cache_aware_routing: bool = True
+    routing_slack: int = 8
 
 
 # The worker's --weights choices (gpu_worker/quantized_linear.py packs them);

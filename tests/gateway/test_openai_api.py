@@ -183,6 +183,7 @@ def test_a_streamed_chat_reply() -> None:
         "prompt_tokens": 3,
         "completion_tokens": 2,
         "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     error = OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "boom", type="server_error")
     assert events(reply.stream_error(error))[-1] == "[DONE]"

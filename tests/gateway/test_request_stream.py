@@ -3,6 +3,7 @@ min_tokens-th token on."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gateway.request_stream import Completion, EmittedToken, RequestStream
@@ -59,3 +60,34 @@ def test_a_stop_string_before_min_tokens_does_not_end_the_request(
     stopped = num_tokens < 5
     assert completion.finish_reason == ("stop" if stopped else "length")
     assert cancel_upstream == stopped
+
+
+@pytest.mark.parametrize(
+    ("first_cached", "later_cached", "expected"),
+    [
+        (None, None, 0),  # a worker that reports nothing
+        (0, None, 0),
+        (16, None, 16),
+        (16, 32, 16),  # a later placement (after a preemption) does not count
+        (10**9, None, 40),  # never more than the prompt
+        (-5, None, 0),
+    ],
+)
+def test_usage_reports_the_first_placements_cached_prompt_tokens(
+    chat_tokenizer: ChatTokenizer, first_cached: int | None, later_cached: int | None, expected: int
+) -> None:
+    submit = SubmitRequest(
+        request_id="r",
+        gateway_id="gw",
+        tenant="t",
+        prompt_ids=list(range(100, 140)),
+        sampling=SamplingParams(max_tokens=8),
+    )
+    stream = RequestStream.of_submit(submit, "c", [], chat_tokenizer, accepted_at_s=0.0)
+    tokens = worker_tokens(chat_tokenizer, "r", "one two three")
+    tokens[0] = msgspec.structs.replace(tokens[0], num_cached_tokens=first_cached)
+    tokens[1] = msgspec.structs.replace(tokens[1], num_cached_tokens=later_cached)
+    for token in tokens:
+        stream.add(token, now_s=1.0)
+    assert stream.completion is not None
+    assert stream.completion.usage.prompt_tokens_details.cached_tokens == expected

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from gpu_worker.engine import Engine
+from gpu_worker.local_blocks import step_alone
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepOutput, StepPlan
 
 
@@ -22,6 +23,18 @@ class Job:
     finish_reason: str | None = None
     num_prefilled: int = 0
     admitted: bool = False
+
+
+def grants_up_front(specs: list[RequestSpec], first_block: int = 0) -> dict[str, list[int]]:
+    """Disjoint blocks for each request's prompt and max_tokens, one per token
+    (enough at any block size): what a scheduler would grant over its life,
+    for plans sent to a worker by hand."""
+    grants, next_block = {}, first_block
+    for spec in specs:
+        count = spec.num_prompt_tokens + spec.sampling.max_tokens
+        grants[spec.request_id] = list(range(next_block, next_block + count))
+        next_block += count
+    return grants
 
 
 def random_jobs(
@@ -76,7 +89,8 @@ def run_jobs(engine: Engine, jobs: list[Job], max_steps: int = 10_000) -> list[S
                 job.num_prefilled = end
             else:
                 decodes.append(job.request_id)
-        output = engine.step(
+        output = step_alone(
+            engine,
             StepPlan(
                 worker_id="test",
                 epoch=0,
@@ -84,7 +98,7 @@ def run_jobs(engine: Engine, jobs: list[Job], max_steps: int = 10_000) -> list[S
                 new_requests=new_requests,
                 prefill_chunks=chunks,
                 decode_request_ids=decodes,
-            )
+            ),
         )
         outputs.append(output)
         by_id = {job.request_id: job for job in jobs}

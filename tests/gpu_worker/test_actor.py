@@ -35,7 +35,7 @@ from shared.messages import (
 )
 from shared.redis_streams import connect, send_message
 from shared.settings import MAX_INFLIGHT, ModelLocation, RedisSettings, WorkerSettings
-from tests.gpu_worker.plans import Job, run_jobs
+from tests.gpu_worker.plans import Job, grants_up_front, run_jobs
 from tests.gpu_worker.tiny_models import write_tiny_model
 
 KEYS = RedisKeys("test")
@@ -141,15 +141,17 @@ def run_worker(url: str, model: LlamaModel, scenario: Scenario, heartbeat_s: flo
 
 def admit(step_index: int, epoch: int = 1) -> StepPlan:
     """Admit r0 (gateway gw1) and r1 (gateway gw2) with their whole prompts."""
+    specs = [
+        RequestSpec("r0", len(PROMPTS["r0"]), GREEDY, gateway_id="gw1"),
+        RequestSpec("r1", len(PROMPTS["r1"]), GREEDY, gateway_id="gw2"),
+    ]
     return StepPlan(
         worker_id=WORKER,
         epoch=epoch,
         step_index=step_index,
-        new_requests=[
-            RequestSpec("r0", len(PROMPTS["r0"]), GREEDY, gateway_id="gw1"),
-            RequestSpec("r1", len(PROMPTS["r1"]), GREEDY, gateway_id="gw2"),
-        ],
+        new_requests=specs,
         prefill_chunks=[PrefillChunk(rid, ids, 0) for rid, ids in PROMPTS.items()],
+        block_grants=grants_up_front(specs),
     )
 
 

@@ -29,6 +29,7 @@ from shared.messages import (
 )
 from shared.request_log import queue_record, read_request_log
 from shared.settings import DEFAULT_LOG_RETENTION_S
+from tests.gpu_worker.plans import grants_up_front
 from tests.gpu_worker.test_actor import KEYS, WORKER, Scheduler, decode, run_worker
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 
@@ -48,15 +49,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
 
 
 def _admit(step_index: int, request_ids: list[str]) -> StepPlan:
+    specs = [
+        RequestSpec(rid, len(PROMPTS[rid]), SAMPLING[rid], gateway_id=GATEWAYS[rid])
+        for rid in request_ids
+    ]
     return StepPlan(
         worker_id=WORKER,
         epoch=1,
         step_index=step_index,
-        new_requests=[
-            RequestSpec(rid, len(PROMPTS[rid]), SAMPLING[rid], gateway_id=GATEWAYS[rid])
-            for rid in request_ids
-        ],
+        new_requests=specs,
         prefill_chunks=[PrefillChunk(rid, PROMPTS[rid], 0) for rid in request_ids],
+        block_grants=grants_up_front(specs),
     )
 
 

@@ -56,6 +56,7 @@ def _plans() -> list[StepPlan]:
         0,
         new_requests=[RequestSpec("r", len(PROMPT), GREEDY, gateway_id="gw")],
         prefill_chunks=[PrefillChunk("r", PROMPT, 0)],
+        block_grants={"r": list(range(len(PROMPT) + GREEDY.max_tokens))},
     )
     decodes = [StepPlan("w-host", 1, step, decode_request_ids=["r"]) for step in (1, 2, 3)]
     return [admit, *decodes]

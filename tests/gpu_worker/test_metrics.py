@@ -16,11 +16,13 @@ from gpu_worker.actor import WorkerActor
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.engine_host import EngineThread
 from gpu_worker.llama import LlamaModel
+from gpu_worker.local_blocks import step_alone
 from gpu_worker.metrics import BusyWindow, WorkerMetrics
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.metrics_http import metrics_url, serve_metrics
 from shared.redis_streams import connect
 from shared.settings import ModelLocation, RedisSettings, WorkerSettings
+from tests.gpu_worker.plans import grants_up_front
 from tests.gpu_worker.test_actor import KEYS, WORKER, Scheduler, admit, decode, make_engine
 from tests.gpu_worker.tiny_models import write_tiny_model
 
@@ -79,7 +81,14 @@ def _plans() -> list[StepPlan]:
     prompts = {"a": [5, 9, 11, 40, 7, 3], "b": [8, 12, 13]}
     specs = [RequestSpec(rid, len(ids), GREEDY) for rid, ids in prompts.items()]
     return [
-        StepPlan("w", 0, 0, new_requests=specs, prefill_chunks=[PrefillChunk("a", [5, 9, 11], 0)]),
+        StepPlan(
+            "w",
+            0,
+            0,
+            new_requests=specs,
+            prefill_chunks=[PrefillChunk("a", [5, 9, 11], 0)],
+            block_grants=grants_up_front(specs),
+        ),
         StepPlan(
             "w",
             0,
@@ -96,12 +105,12 @@ def test_engine_steps_fill_the_histograms_and_totals(model: LlamaModel) -> None:
     metrics = WorkerMetrics("w", engine.stats, clock=clock, window_s=5.0)
     step_s: list[float] = []
     for plan in _plans():
-        output = engine.step(plan)
+        output = step_alone(engine, plan)
         clock.now_s += 0.5
         metrics.observe_step(output, len(plan.prefill_chunks) + len(plan.decode_request_ids))
         step_s.append(output.step_ms / 1000)
     # A plan that runs no forward pass is no step.
-    empty = engine.step(StepPlan("w", 0, 9, released_request_ids=["a"]))
+    empty = step_alone(engine, StepPlan("w", 0, 9, released_request_ids=["a"]))
     metrics.observe_step(empty, 0)
 
     samples = parse(generate_latest(metrics.registry).decode())

@@ -17,6 +17,7 @@ from gpu_worker.__main__ import parse_settings
 from gpu_worker.engine import Engine, load_model, probe_logits
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.llama import LlamaModel
+from gpu_worker.local_blocks import step_alone
 from gpu_worker.model_config import load_model_config
 from gpu_worker.quantized_linear import (
     Float16Linear,
@@ -58,7 +59,7 @@ def _generate(model: LlamaModel, sampling: SamplingParams) -> dict[str, list[int
     """Continuations of PROMPTS, run together."""
     engine = Engine(model, KVCacheBudget(num_bytes=4 << 20, block_size=4), "cpu")
     max_tokens = sampling.max_tokens
-    output = engine.step(
+    output = step_alone(engine,
         StepPlan(
             worker_id="t", epoch=0, step_index=0,
             new_requests=[RequestSpec(rid, len(ids), sampling) for rid, ids in PROMPTS.items()],
@@ -72,7 +73,7 @@ def _generate(model: LlamaModel, sampling: SamplingParams) -> dict[str, list[int
             tokens[token.request_id].append(token.token_id)
         if step_index == max_tokens:
             return tokens
-        output = engine.step(StepPlan("t", 0, step_index, decode_request_ids=list(PROMPTS)))
+        output = step_alone(engine, StepPlan("t", 0, step_index, decode_request_ids=list(PROMPTS)))
     raise AssertionError("unreachable")
 
 

@@ -14,6 +14,7 @@ import transformers
 from gateway.tokenizer import ChatTokenizer
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.local_blocks import step_alone
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.plans import Job, run_jobs
 
@@ -108,25 +109,29 @@ def test_step_logits_within_1e4_of_transformers(smollm2):
 
     model.forward = capture  # type: ignore[method-assign]
     try:
-        engine.step(
+        step_alone(
+            engine,
             StepPlan(
                 "t",
                 0,
                 0,
                 new_requests=[RequestSpec("a", len(prompt_ids), sampling)],
                 prefill_chunks=[PrefillChunk("a", prompt_ids[:split], 0)],
-            )
+            ),
         )
         tokens = [
             t.token_id
-            for t in engine.step(
-                StepPlan("t", 0, 1, prefill_chunks=[PrefillChunk("a", prompt_ids[split:], split)])
+            for t in step_alone(
+                engine,
+                StepPlan("t", 0, 1, prefill_chunks=[PrefillChunk("a", prompt_ids[split:], split)]),
             ).tokens
         ]
         for step_index in range(2, 5):
             tokens += [
                 t.token_id
-                for t in engine.step(StepPlan("t", 0, step_index, decode_request_ids=["a"])).tokens
+                for t in step_alone(
+                    engine, StepPlan("t", 0, step_index, decode_request_ids=["a"])
+                ).tokens
             ]
     finally:
         del model.forward

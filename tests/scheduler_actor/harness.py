@@ -26,6 +26,8 @@ class Job:
     arrival_tick: int
     cancel_tick: int | None = None
     stop_index: int | None = None
+    # Its prompt starts with this many tokens of its tenant's shared prefix.
+    num_shared_tokens: int = 0
 
 
 @dataclass
@@ -35,11 +37,17 @@ class Outcome:
     finished: dict[str, FinishedRequest] = field(default_factory=dict)
     num_ticks: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the workers were told are cached
 
 
-def prompt_of(index: int, num_tokens: int) -> list[int]:
-    """A recognisable prompt, so a recompute can be checked token by token."""
-    return [index * 7 + position for position in range(num_tokens)]
+def prompt_of(
+    index: int, num_tokens: int, tenant: str = "", num_shared_tokens: int = 0
+) -> list[int]:
+    """A recognisable prompt, so a recompute can be checked token by token; its
+    first ``num_shared_tokens`` are the same for every job of the tenant."""
+    num_shared = min(num_shared_tokens, num_tokens)
+    shared = [100_000 + len(tenant) * 1000 + position for position in range(num_shared)]
+    return shared + [index * 7 + position for position in range(num_tokens - num_shared)]
 
 
 def run(
@@ -60,11 +68,19 @@ def run(
     }
     workers: dict[str, SimulatedWorker] = {}
     pending: dict[str, deque[StepOutput]] = {}
+    prompts = {
+        f"r{i}": prompt_of(i, job.num_prompt_tokens, job.tenant, job.num_shared_tokens)
+        for i, job in enumerate(jobs)
+    }
+
+    def expected_tokens(request_id: str) -> list[int]:
+        # What a request's K/V holds: its prompt, then the generated tokens (1000 + i).
+        return prompts[request_id] + [1000 + i for i in range(jobs[int(request_id[1:])].max_tokens)]
 
     def join(worker_id: str) -> None:
         scheduler.worker_joined(worker_id, num_blocks, block_size, max_inflight)
         workers[worker_id] = SimulatedWorker(
-            worker_id, num_blocks, block_size, CostModel(), stop_indices
+            worker_id, num_blocks, block_size, CostModel(), stop_indices, expected_tokens
         )
         pending[worker_id] = deque()
 
@@ -73,6 +89,7 @@ def run(
     lost_ticks = lost_ticks or {}
     outcome = Outcome()
     spec_generated: dict[str, int] = {}
+    first_cached: dict[str, int] = {}
     by_tick: dict[int, list[int]] = {}
     cancels: dict[int, list[int]] = {}
     for index, job in enumerate(jobs):
@@ -93,7 +110,7 @@ def run(
             scheduler.submit(
                 f"r{index}",
                 job.tenant,
-                prompt_of(index, job.num_prompt_tokens),
+                prompts[f"r{index}"],
                 SamplingParams(max_tokens=job.max_tokens),
             )
             num_submitted += 1
@@ -106,7 +123,7 @@ def run(
         for worker_id, worker in workers.items():
             plan = scheduler.next_plan(worker_id)
             if plan is not None:
-                _check_plan(scheduler, config, plan, spec_generated, num_blocks)
+                _check_plan(scheduler, config, plan, spec_generated, first_cached, num_blocks)
                 output, _ = worker.execute(plan)
                 pending[worker_id].append(output)
             queue = pending[worker_id]
@@ -116,13 +133,14 @@ def run(
             _check_fcfs(scheduler)
         check_placements(scheduler)
         tick[0] += 1
-    check_charges(config, jobs, outcome, scheduler.vtc.snapshot(), ran=set(spec_generated))
+    check_charges(config, jobs, outcome, scheduler.vtc.snapshot(), first_cached)
     outcome.num_ticks = tick[0]
+    outcome.num_cached_tokens = sum(worker.num_cached_tokens for worker in workers.values())
     outcome.num_preemptions = sum(item.num_preemptions for item in outcome.finished.values())
     return outcome
 
 
-def _check_plan(scheduler, config, plan, spec_generated, num_blocks) -> None:
+def _check_plan(scheduler, config, plan, spec_generated, first_cached, num_blocks) -> None:
     requests = scheduler.requests
     ids = [chunk.request_id for chunk in plan.prefill_chunks] + plan.decode_request_ids
     assert len(ids) == len(set(ids)), "a request twice in one plan"
@@ -135,7 +153,10 @@ def _check_plan(scheduler, config, plan, spec_generated, num_blocks) -> None:
         request = requests[spec.request_id]
         assert spec.num_generated == len(request.generated_ids)
         assert spec.num_prompt_tokens == len(request.prompt_ids) + spec.num_generated
+        assert spec.num_cached_tokens % ledger.block_size == 0
+        assert 0 <= spec.num_cached_tokens < spec.num_prompt_tokens
         spec_generated[spec.request_id] = spec.num_generated
+        first_cached.setdefault(spec.request_id, spec.num_cached_tokens)
     for chunk in plan.prefill_chunks:
         # A recompute continues from the tokens generated so far (token i is 1000 + i).
         request = requests[chunk.request_id]
@@ -150,16 +171,18 @@ def check_charges(
     jobs: list[Job],
     outcome: Outcome,
     services: Mapping[str, float],
-    ran: set[str],
+    first_cached: Mapping[str, int],
 ) -> None:
-    """VTC charged each request that ever ran its prompt exactly once (not again
-    when preempted or recomputed after a lost worker), and each delivered token once."""
+    """VTC charged each request that ever ran the prompt tokens it computed at
+    its first placement exactly once (not the cached ones, and not again when
+    preempted or recomputed after a lost worker), and each delivered token once."""
     expected: dict[str, float] = {}
     for index, job in enumerate(jobs):
         request_id = f"r{index}"
         amount = config.w_out * len(outcome.finished[request_id].token_ids)
-        if request_id in ran:
-            amount += config.w_in * job.num_prompt_tokens
+        if request_id in first_cached:
+            num_cached = min(first_cached[request_id], job.num_prompt_tokens)
+            amount += config.w_in * (job.num_prompt_tokens - num_cached)
         expected[job.tenant] = expected.get(job.tenant, 0.0) + amount
     assert {t: s for t, s in services.items() if s} == {t: s for t, s in expected.items() if s}
 
@@ -186,9 +209,14 @@ def check_placements(scheduler: Scheduler) -> None:
             assert request.worker_id is None
     for worker_id, worker in scheduler.workers.items():
         assert set(worker.placed) == placed[worker_id], worker_id
-        num_blocks = sum(r.num_blocks for r in worker.placed.values())
-        num_blocks += sum(r.num_blocks for r in worker.held)
-        assert worker.ledger.num_used == num_blocks, worker_id
+        holders = [*worker.placed.values(), *worker.held]
+        held_blocks = {block_id for r in holders for block_id in r.block_ids}
+        for r in holders:
+            assert len(set(r.block_ids)) == len(r.block_ids), r.request_id
+        ledger = worker.ledger
+        assert ledger.num_used == len(held_blocks), worker_id
+        assert 0 <= ledger.num_evictable <= ledger.num_cached <= ledger.num_blocks
+        assert ledger.num_free == ledger.num_blocks - len(held_blocks)
     assert scheduler.num_waiting == num_waiting.total()
     ledger = scheduler.tenants
     assert set(ledger.active()) == set(num_waiting) | set(num_running)

@@ -37,9 +37,9 @@ def test_ledger_check_then_act() -> None:
     ledger = BlockLedger(num_blocks=3, block_size=4)
     assert num_blocks_for(9, 4) == 3 and ledger.blocks_for(8) == 2
     assert ledger.can_allocate(3) and not ledger.can_allocate(4)
-    ledger.allocate(2)
-    assert ledger.num_free == 1
-    ledger.free(2)
+    block_ids = ledger.allocate(2)
+    assert ledger.num_free == 1 and len(set(block_ids)) == 2
+    ledger.release(block_ids)
     assert ledger.num_free == 3
 
 

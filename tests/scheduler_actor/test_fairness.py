@@ -31,7 +31,8 @@ def _backlogged_run(config: SchedulerConfig, seed: int, num_steps: int):
             scheduler.submit(
                 f"{tenant}{index}",
                 tenant,
-                [1] * rng.randint(1, MAX_PROMPT_TOKENS),
+                # Distinct prompts: a cached prefix would end the backlog early.
+                [rng.randrange(50_000) for _ in range(rng.randint(1, MAX_PROMPT_TOKENS))],
                 SamplingParams(max_tokens=rng.randint(1, 64)),
             )
     pending = deque()

@@ -1,6 +1,7 @@
-"""Property tests: random traces with tenants, weights, lengths, cancels and
-lost workers, against simulated workers that check the protocol and their own
-K/V budget (tests/scheduler_actor/harness.py checks the rest)."""
+"""Property tests: random traces with tenants, weights, lengths, shared
+prompt prefixes, cancels and lost workers, against simulated workers that
+check the protocol, their blocks and every cached prefix's tokens
+(tests/scheduler_actor/harness.py checks the rest)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def jobs(draw, capacity_tokens: int, cancels: bool = True):
         max_tokens = total - num_prompt_tokens
         stop = draw(st.none() | st.integers(0, max_tokens - 1))
         tenant = draw(st.sampled_from(["a", "b", "c"]))
-        result.append(Job(tenant, num_prompt_tokens, max_tokens, arrival, cancel, stop))
+        # Many share a prefix with the tenant's other jobs: the prefix cache is exercised.
+        shared = draw(st.one_of(st.just(0), st.integers(0, num_prompt_tokens)))
+        result.append(Job(tenant, num_prompt_tokens, max_tokens, arrival, cancel, stop, shared))
     return result
 
 
@@ -65,6 +68,8 @@ def scenario(draw, policy: PolicyName, with_faults: bool = True):
             st.dictionaries(st.sampled_from(["a", "b", "c"]), st.sampled_from([0.5, 1.0, 3.0]))
         ),
         overlap=draw(st.booleans()),
+        prefix_caching=draw(st.sampled_from([True, True, False])),
+        routing_slack=draw(st.integers(0, 3)),
     )
     lost = (
         draw(st.dictionaries(st.integers(0, 80), st.integers(0, 2), max_size=3))
