@@ -99,8 +99,8 @@ class _CoreView(Collector):
                 stats.num_hit_tokens,
                 stats.num_evictions,
             )
-            for counter, value in zip(counters, values, strict=True):
-                counter.add_metric([], value)
+            for family, value in zip(counters, values, strict=True):
+                family.add_metric([], value)
         yield from gauges
         yield from counters
 
