@@ -1,12 +1,16 @@
 """Cost of one ``next_plan`` against the size of the waiting pool and the batch.
 
-    python bench/scheduler.py [--steps 300]
+    python bench/scheduler.py [--steps 300] [--prompts shared,distinct]
 
 A single worker with room for the whole batch; the pool is kept at its size by
 submitting a new request for every one that finishes; the simulated worker
-executes each plan (not timed). Prints median and p99 microseconds per call,
-and per turn of the core for one step (the result decoded and taken, the next
-plan made and encoded: what the scheduler actor does per step besides I/O).
+executes each plan (not timed). ``shared`` prompts are all one token
+repeated (each tenant's prefix cache finds nearly all of every prompt, so
+nearly every request decodes); ``distinct`` ones differ from their first
+token (nothing is ever found, every block is cached and evicted in turn).
+Prints median and p99 microseconds per call, and per turn of the core for one
+step (the result decoded and taken, the next plan made and encoded: what the
+scheduler actor does per step besides I/O).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ BLOCK_SIZE = 16
 
 
 def measure(
-    policy: PolicyName, num_waiting: int, batch_size: int, num_steps: int
+    policy: PolicyName, num_waiting: int, batch_size: int, num_steps: int, distinct: bool = False
 ) -> tuple[list[float], list[float]]:
     """Microseconds of each timed ``next_plan`` in steady state, and of each
     whole turn of the scheduler's core for one step: the result decoded from
@@ -49,10 +53,11 @@ def measure(
 
     def submit() -> None:
         nonlocal next_id
+        prompt = prompts[rng.randint(32, 512)]
         scheduler.submit(
             str(next_id),
             f"tenant{next_id % 8}",
-            prompts[rng.randint(32, 512)],
+            [next_id + 2, *prompt[1:]] if distinct else prompt,
             SamplingParams(max_tokens=rng.randint(1, 128)),
         )
         next_id += 1
@@ -93,18 +98,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--policies", default="fair,orca")
+    parser.add_argument("--prompts", default="shared,distinct")
     args = parser.parse_args()
-    print("| policy | waiting | batch | next_plan median µs | p99 µs | turn median µs | p99 µs |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| policy | prompts | waiting | batch | next_plan median µs | p99 µs "
+        "| turn median µs | p99 µs |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in args.policies.split(","):
-        for num_waiting in (1_000, 10_000, 100_000):
-            for batch_size in (32, 256):
-                plans, turns = measure(PolicyName(name), num_waiting, batch_size, args.steps)
-                print(
-                    f"| {name} | {num_waiting:,} | {batch_size} "
-                    f"| {_median_p99(plans)} | {_median_p99(turns)} |",
-                    flush=True,
-                )
+        for prompts in args.prompts.split(","):
+            for num_waiting in (1_000, 10_000, 100_000):
+                for batch_size in (32, 256):
+                    plans, turns = measure(
+                        PolicyName(name), num_waiting, batch_size, args.steps, prompts == "distinct"
+                    )
+                    print(
+                        f"| {name} | {prompts} | {num_waiting:,} | {batch_size} "
+                        f"| {_median_p99(plans)} | {_median_p99(turns)} |",
+                        flush=True,
+                    )
 
 
 def _median_p99(timings_us: list[float]) -> str:

@@ -16,6 +16,7 @@ last blocks before its first (a prefix is only found from its start).
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -48,50 +49,54 @@ class PrefixCacheStats:
 class _LargestFirst:
     """Evictable blocks per cache group, LRU within a group, the largest group first.
 
-    Sizes change by one at a time, so the largest size is tracked with
-    buckets of groups by size: every operation is O(1).
+    The largest group is found through a heap of (-size, group) entries, one
+    pushed whenever a group's size changes (a release pushes a whole table
+    at once); entries whose size is no longer the group's are dropped when
+    they reach the top, and the heap is rebuilt when they outnumber the groups.
     """
 
-    __slots__ = ("_by_size", "_groups", "_largest", "size")
+    __slots__ = ("_groups", "_heap", "size")
 
     def __init__(self) -> None:
         self._groups: dict[str, OrderedDict[int, None]] = {}
-        self._by_size: dict[int, set[str]] = {}
-        self._largest = 0
+        self._heap: list[tuple[int, str]] = []
         self.size = 0
 
-    def push(self, group: str, block_id: int) -> None:
+    def push(self, group: str, block_ids: Iterable[int]) -> None:
+        """Add blocks as the group's most recently released, in order."""
         blocks = self._groups.setdefault(group, OrderedDict())
-        self._resize(group, len(blocks), len(blocks) + 1)
-        blocks[block_id] = None
-        self.size += 1
+        before = len(blocks)
+        blocks.update(dict.fromkeys(block_ids))
+        self.size += len(blocks) - before
+        self._resized(group, len(blocks))
 
     def remove(self, group: str, block_id: int) -> None:
         blocks = self._groups[group]
         del blocks[block_id]
-        self._resize(group, len(blocks) + 1, len(blocks))
-        if not blocks:
-            del self._groups[group]
         self.size -= 1
+        if blocks:
+            self._resized(group, len(blocks))
+        else:
+            del self._groups[group]
 
-    def pop(self) -> tuple[str, int]:
-        """The least recently pushed block of the largest group."""
-        group = next(iter(self._by_size[self._largest]))
-        block_id = next(iter(self._groups[group]))
+    def pop(self) -> int:
+        """The least recently released block of the largest group."""
+        heap, groups = self._heap, self._groups
+        while True:
+            negative_size, group = heap[0]
+            blocks = groups.get(group)
+            if blocks is not None and len(blocks) == -negative_size:
+                break
+            heapq.heappop(heap)
+        block_id = next(iter(blocks))
         self.remove(group, block_id)
-        return group, block_id
+        return block_id
 
-    def _resize(self, group: str, old: int, new: int) -> None:
-        if old:
-            bucket = self._by_size[old]
-            bucket.discard(group)
-            if not bucket:
-                del self._by_size[old]
-                if self._largest == old:
-                    self._largest = new if new > old else old - 1
-        if new:
-            self._by_size.setdefault(new, set()).add(group)
-            self._largest = max(self._largest, new)
+    def _resized(self, group: str, size: int) -> None:
+        heapq.heappush(self._heap, (-size, group))
+        if len(self._heap) > 4 * len(self._groups) + 64:
+            self._heap = [(-len(blocks), name) for name, blocks in self._groups.items()]
+            heapq.heapify(self._heap)
 
 
 class BlockLedger:
@@ -172,7 +177,7 @@ class BlockLedger:
             if self._free:
                 block_id = self._free.popleft()
             else:
-                _group, block_id = self._evictable.pop()
+                block_id = self._evictable.pop()
                 hash_, _ = self._cached.pop(block_id)
                 del self._block_of[hash_]
                 self.stats.num_evictions += 1
@@ -184,7 +189,8 @@ class BlockLedger:
     def release(self, block_ids: Sequence[int]) -> None:
         """A request lets go of its blocks (its table, in token order): a block
         nobody holds any more is free, or evictable if it is cached."""
-        refcounts = self._refcounts
+        refcounts, cached_blocks = self._refcounts, self._cached
+        evictable: dict[str, list[int]] = {}
         for block_id in reversed(block_ids):  # the chain's tail is evicted first
             refcount = refcounts[block_id] - 1
             assert refcount >= 0, block_id
@@ -192,11 +198,13 @@ class BlockLedger:
             if refcount:
                 continue
             self.num_used -= 1
-            cached = self._cached.get(block_id)
+            cached = cached_blocks.get(block_id)
             if cached is None:
                 self._free.append(block_id)
             else:
-                self._evictable.push(cached[1], block_id)
+                evictable.setdefault(cached[1], []).append(block_id)
+        for group, group_blocks in evictable.items():
+            self._evictable.push(group, group_blocks)
 
     def match(self, hashes: Iterable[bytes]) -> list[int]:
         """The blocks caching the longest prefix of a chain of block hashes."""

@@ -236,7 +236,7 @@ class Scheduler:
         # Locals: this loop runs for every token of every step.
         worker_id, placed, requests = worker.worker_id, RequestStatus.PLACED, self._requests
         ledger = worker.ledger
-        block_size = ledger.block_size
+        block_size, caching = ledger.block_size, ledger.prefix_caching
         for planned in batch:
             if planned.status is placed and planned.worker_id == worker_id:
                 planned.num_inflight -= 1
@@ -257,11 +257,12 @@ class Scheduler:
             generated_ids.append(token.token_id)
             # Every position before the newest token's holds K/V once a step of
             # this placement sampled it: the blocks it filled are cached.
-            num_written = len(request.prompt_ids) + len(generated_ids) - 1
-            if num_written // block_size > request.num_committed_blocks and len(
-                generated_ids
-            ) > len(request.context_ids) - len(request.prompt_ids):
-                commit_written(ledger, request, num_written)
+            if caching:
+                num_written = len(request.prompt_ids) + len(generated_ids) - 1
+                if num_written // block_size > request.num_committed_blocks and len(
+                    generated_ids
+                ) > len(request.context_ids) - len(request.prompt_ids):
+                    commit_written(ledger, request, num_written)
             tenant = request.tenant
             num_tokens_by_tenant[tenant] = num_tokens_by_tenant.get(tenant, 0) + 1
             reason: FinishReason | None = token.finish_reason

@@ -141,7 +141,7 @@ class PlanBuilder:
     def can_decode(self, request: Request) -> bool:
         """Whether the blocks for one more token are free (or already held)."""
         ledger = self.worker.ledger
-        needed = ledger.blocks_for(request.num_tokens_planned + 1) - request.num_blocks
+        needed = ledger.blocks_for(request.num_tokens_planned + 1) - len(request.block_ids)
         return needed <= 0 or ledger.can_allocate(needed)
 
     def decode(self, request: Request) -> None:
@@ -189,7 +189,7 @@ class PlanBuilder:
 
     def _blocks_to_grow(self, request: Request, num_tokens: int) -> int:
         ledger = self.worker.ledger
-        return ledger.blocks_for(request.num_tokens_planned + num_tokens) - request.num_blocks
+        return ledger.blocks_for(request.num_tokens_planned + num_tokens) - len(request.block_ids)
 
     def _grant(self, request: Request, num_blocks: int) -> None:
         """Give the request ``num_blocks`` more blocks, in this plan."""

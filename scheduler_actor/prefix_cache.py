@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from array import array
 from hashlib import blake2b
+from itertools import islice
 
 from scheduler_actor.block_ledger import BlockLedger
 from scheduler_actor.request import Request
@@ -32,8 +33,9 @@ def cache_group_of(tenant: str, cache_group: str | None) -> str:
 
 
 def block_hashes(request: Request, block_size: int, num_blocks: int) -> list[bytes]:
-    """The chain hashes of the first ``num_blocks`` full blocks of the request's
-    tokens (prompt, then generated), computed once per request and block size."""
+    """The request's chain, long enough for its first ``num_blocks`` full
+    blocks (prompt, then generated): item ``i + 1`` is block ``i``'s hash, item
+    0 the seed. Computed once per request and block size, and kept; not a copy."""
     hashes = request.block_hashes.get(block_size)
     if hashes is None:
         seed = blake2b(_SEED_DOMAIN + request.cache_group.encode(), digest_size=HASH_BYTES)
@@ -52,7 +54,7 @@ def block_hashes(request: Request, block_size: int, num_blocks: int) -> list[byt
                 previous + array("q", tokens).tobytes(), digest_size=HASH_BYTES
             ).digest()
             hashes.append(previous)
-    return hashes[1 : num_blocks + 1]
+    return hashes
 
 
 def prefix_hit(ledger: BlockLedger, request: Request) -> list[int]:
@@ -62,7 +64,9 @@ def prefix_hit(ledger: BlockLedger, request: Request) -> list[int]:
         return []
     num_context_tokens = len(request.prompt_ids) + len(request.generated_ids)
     num_blocks = (num_context_tokens - 1) // ledger.block_size
-    return ledger.match(block_hashes(request, ledger.block_size, num_blocks))
+    return ledger.match(
+        islice(block_hashes(request, ledger.block_size, num_blocks), 1, num_blocks + 1)
+    )
 
 
 def commit_written(ledger: BlockLedger, request: Request, num_written_tokens: int) -> None:
@@ -75,5 +79,5 @@ def commit_written(ledger: BlockLedger, request: Request, num_written_tokens: in
     hashes = block_hashes(request, ledger.block_size, num_full)
     block_ids, group = request.block_ids, request.cache_group
     for index in range(first, num_full):
-        ledger.commit(block_ids[index], hashes[index], group)
+        ledger.commit(block_ids[index], hashes[index + 1], group)
     request.num_committed_blocks = num_full

@@ -270,3 +270,51 @@ def test_shared_prefixes_under_every_policy_with_faults(policy: PolicyName) -> N
     )
     assert len(outcome.finished) == len(jobs)
     assert outcome.num_cached_tokens >= 10 * 12
+
+
+def test_a_preempted_request_recomputes_from_its_own_cached_blocks() -> None:
+    # Two requests whose decodes outgrow 10 blocks: one is preempted, then
+    # placed again after the blocks it had filled (its prompt and answer so far).
+    cluster = Cluster(num_blocks=10, max_batch_size=2, token_budget=64)
+    cluster.submit("a", _tokens(10, 12), max_tokens=20)
+    cluster.submit("b", _tokens(500, 12), max_tokens=20)
+    specs = {}
+    while cluster.scheduler.requests:
+        plan = cluster.scheduler.next_plan("w0")
+        assert plan is not None
+        for spec in plan.new_requests:
+            specs.setdefault(spec.request_id, []).append(spec)
+        cluster.scheduler.on_result(cluster.workers["w0"].execute(plan)[0])
+    recomputed = [spec for placements in specs.values() for spec in placements[1:]]
+    assert recomputed, "nothing was preempted"
+    for spec in recomputed:
+        # What of its blocks the other's decodes did not evict (its tail went
+        # first) is found again: it starts after them.
+        assert spec.num_generated > 0 and spec.num_cached_tokens > 0, spec
+
+
+def test_after_a_lost_worker_the_request_hits_the_other_workers_cache() -> None:
+    cluster = Cluster(num_blocks=32, num_workers=2)
+    system = _tokens(10, 20)  # five blocks
+    # Planned together, before either is cached, the two spread over both
+    # workers: both workers cache the system prompt.
+    cluster.submit("warm0", [*system, 1, 2], max_tokens=1)
+    cluster.submit("warm1", [*system, 5, 6], max_tokens=1)
+    plans = [cluster.scheduler.next_plan(worker_id) for worker_id in ("w0", "w1")]
+    for plan in plans:
+        assert plan is not None and len(plan.new_requests) == 1
+        cluster.scheduler.on_result(cluster.workers[plan.worker_id].execute(plan)[0])
+    assert not cluster.scheduler.requests
+    cluster.submit("victim", [*system, 3, 4], max_tokens=30)
+    plan = cluster.scheduler.next_plan("w0") or cluster.scheduler.next_plan("w1")
+    assert plan is not None and plan.new_requests[0].num_cached_tokens == 20
+    lost, other = plan.worker_id, ({"w0", "w1"} - {plan.worker_id}).pop()
+    cluster.scheduler.on_result(cluster.workers[lost].execute(plan)[0])
+    cluster.scheduler.worker_lost(lost)
+    del cluster.workers[lost]
+    recompute = cluster.scheduler.next_plan(other)
+    assert recompute is not None
+    [spec] = recompute.new_requests
+    assert (spec.request_id, spec.num_generated, spec.num_cached_tokens) == ("victim", 1, 20)
+    cluster.scheduler.on_result(cluster.workers[other].execute(recompute)[0])
+    cluster.drain()
