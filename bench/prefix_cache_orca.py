@@ -21,16 +21,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orcapod.bench.loadgen import LoadSettings  # noqa: E402
-from orcapod.bench.metrics import table  # noqa: E402
-from orcapod.bench.run import (  # noqa: E402
+from orcapod.bench.loadgen import LoadSettings
+from orcapod.bench.metrics import table
+from orcapod.bench.run import (
     StatsReader,
     SweepSettings,
     machine,
     parse_rates,
     run_sweep,
 )
-from orcapod.bench.service import benchmark_redis, flush, orcapod_up  # noqa: E402
+from orcapod.bench.service import benchmark_redis, flush, orcapod_up
 
 VARIANTS = {"cache on": (), "cache off": ("--scheduler-arg=--no-prefix-cache",)}
 
