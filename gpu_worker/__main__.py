@@ -19,23 +19,13 @@ from shared.settings import (
     add_redis_arguments,
     default_instance_id,
     flag_environment_default,
+    int_flag,
     model_location,
     redis_settings_from_args,
 )
 
 # One source of defaults: the settings dataclass.
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(WorkerSettings)}
-
-
-def _max_inflight(text: str) -> int:
-    """``--max-inflight``: an integer from 1 to MAX_INFLIGHT, or a clear usage error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= value <= MAX_INFLIGHT:
-        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_INFLIGHT}, got {value}")
-    return value
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
@@ -63,7 +53,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
     parser.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
     parser.add_argument(
         "--max-inflight",
-        type=_max_inflight,
+        type=int_flag(1, MAX_INFLIGHT),
         default=DEFAULTS["max_inflight"],
         help=f"plans held at once, the worker's lookahead (1 to {MAX_INFLIGHT})",
     )

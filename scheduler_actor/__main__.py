@@ -14,6 +14,7 @@ from shared.settings import (
     POLICIES,
     SchedulerSettings,
     add_redis_arguments,
+    int_flag,
     redis_settings,
     redis_settings_from_args,
 )
@@ -58,7 +59,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
     )
     parser.add_argument(
         "--routing-slack",
-        type=_non_negative_int,
+        type=int_flag(0),
         default=defaults.routing_slack,
         help="a worker caching the prefix is passed over when it runs more than this many "
         "requests beyond the least loaded",
@@ -79,16 +80,6 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         cache_aware_routing=args.cache_routing,
         routing_slack=args.routing_slack,
     )
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
 
 
 async def serve(settings: SchedulerSettings) -> None:

@@ -242,6 +242,23 @@ def default_instance_id(role: str) -> str:
     return f"{role}-{os.uname().nodename}-{os.getpid()}"
 
 
+def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` to ``high`` (no bound:
+    None), else a usage error that says which."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"{low} to {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
 def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--redis-url`` and ``--prefix`` flags every actor takes."""
     parser.add_argument("--redis-url", help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")

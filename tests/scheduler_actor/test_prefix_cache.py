@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_actor.__main__ import parse_settings
+from scheduler_actor.actor import scheduler_config
 from scheduler_actor.block_ledger import BlockLedger
 from scheduler_actor.config import PolicyName, SchedulerConfig
 from scheduler_actor.core import Scheduler
@@ -318,3 +320,25 @@ def test_after_a_lost_worker_the_request_hits_the_other_workers_cache() -> None:
     assert (spec.request_id, spec.num_generated, spec.num_cached_tokens) == ("victim", 1, 20)
     cluster.scheduler.on_result(cluster.workers[other].execute(recompute)[0])
     cluster.drain()
+
+
+def test_the_scheduler_flags_turn_caching_and_cache_routing_off() -> None:
+    defaults = parse_settings([])
+    assert (defaults.prefix_caching, defaults.cache_aware_routing, defaults.routing_slack) == (
+        True,
+        True,
+        8,
+    )
+    settings = parse_settings(["--no-prefix-cache", "--no-cache-routing", "--routing-slack=0"])
+    config = scheduler_config(settings, epoch=1)
+    assert (config.prefix_caching, config.cache_aware_routing, config.routing_slack) == (
+        False,
+        False,
+        0,
+    )
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "many", ""])
+def test_a_bad_routing_slack_is_a_usage_error(value: str) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings([f"--routing-slack={value}"])
