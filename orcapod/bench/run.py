@@ -4,6 +4,13 @@ Speaks only the public websocket protocol (``--url``). With ``--redis-url``
 it also reads the workers' stats hash before and after each run, for the
 service-side figures (busy fraction, batch size, tokens per step, gap between
 steps). Prints a markdown table and writes every run as JSON.
+
+``--trace multiturn`` is closed loop instead (``orcapod.bench.multiturn``):
+``--conversations`` × ``--turns`` chat turns over the same gateway's OpenAI
+API, then the same trace against ``--peer-url`` (another OpenAI-compatible
+server, e.g. llama.cpp's ``llama-server``); a table per turn index of TTFT and
+prefill tokens computed, side by side, and with ``--redis-url`` the
+scheduler's prefix-cache counters over the run.
 """
 
 from __future__ import annotations
@@ -28,11 +35,28 @@ from orcapod.bench.metrics import (
     table,
     table_row,
 )
+from orcapod.bench.multiturn import (
+    Endpoint,
+    check_http_loopback,
+    http_base_url,
+    measure,
+)
+from orcapod.bench.multiturn_report import (
+    overview_table,
+    turn_table,
+)
+from orcapod.bench.multiturn_trace import (
+    MultiturnSpec,
+    make_multiturn_trace,
+)
 from orcapod.bench.traces import TRACES, TraceSpec, make_trace
 from shared.keys import RedisKeys
 from shared.settings import client_api_key
 
 QUICK_RATES, QUICK_DURATION_S, QUICK_DRAIN_S = "0.3", 20.0, 30.0
+MULTITURN = "multiturn"  # closed loop: not one of the open-loop TRACES
+DEFAULT_MAX_TOKENS, MULTITURN_MAX_TOKENS = 64, 32
+LLAMA_SERVER_EXTRA_BODY = '{"cache_prompt": true}'  # llama-server: reuse the slot's prompt
 SETTLE_S = 2.0  # between runs, so cancelled work has left the engine
 
 
@@ -156,20 +180,71 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orcapod bench", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="ws://127.0.0.1:8000/ws", help="a gateway (loopback)")
     parser.add_argument("--api-key", help="sent as a Bearer token (default: $ORCAPOD_API_KEY)")
-    parser.add_argument("--trace", choices=TRACES, default="orca")
+    parser.add_argument("--trace", choices=(*TRACES, MULTITURN), default="orca")
     parser.add_argument("--prompt-len", type=int, default=256, help="homogeneous trace")
-    parser.add_argument("--max-tokens", type=int, default=64, help="homogeneous/chat traces")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"homogeneous/chat traces (default {DEFAULT_MAX_TOKENS}), "
+        f"multiturn (default {MULTITURN_MAX_TOKENS})",
+    )
     parser.add_argument("--redis-url", help="read the workers' stats hash here (optional)")
     parser.add_argument("--prefix", default="orcapod", help="Redis key prefix")
     parser.add_argument("--policy", help="label for the results (what the service runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/bench.json"))
     add_load_arguments(parser)
+    multiturn = parser.add_argument_group("--trace multiturn")
+    multiturn.add_argument("--conversations", type=int, default=8, help="run at once")
+    multiturn.add_argument("--turns", type=int, default=8, help="per conversation")
+    multiturn.add_argument(
+        "--peer-url", help="another OpenAI-compatible server, http://127.0.0.1:PORT, run after"
+    )
+    multiturn.add_argument("--peer-api-key")
+    multiturn.add_argument("--peer-name", default="peer", help="its name in the table")
+    multiturn.add_argument(
+        "--peer-extra-body",
+        type=json.loads,
+        default=LLAMA_SERVER_EXTRA_BODY,
+        help=f"JSON joined to every request to the peer (default {LLAMA_SERVER_EXTRA_BODY})",
+    )
     return parser
+
+
+def run_multiturn(args: argparse.Namespace) -> int:
+    """``--trace multiturn``: orcapod at ``--url``, then the peer, on the same trace."""
+    max_tokens = MULTITURN_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+    spec = MultiturnSpec(args.conversations, args.turns, max_tokens, args.seed)
+    if args.peer_url:
+        check_http_loopback(args.peer_url)  # before orcapod's run, not after it
+    trace = make_multiturn_trace(spec)
+    progress = not args.no_progress
+    orcapod = Endpoint("orcapod", http_base_url(args.url), client_api_key(args.api_key))
+    summaries = {orcapod.name: measure(orcapod, trace, args.redis_url, args.prefix, progress)}
+    if args.peer_url:
+        peer = Endpoint(args.peer_name, args.peer_url, args.peer_api_key, args.peer_extra_body)
+        summaries[peer.name] = measure(peer, trace, progress=progress)
+    print()
+    print(turn_table(summaries))
+    print()
+    print(overview_table(summaries))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    document = {"machine": machine(), "settings": asdict(spec), "runs": summaries}
+    args.out.write_text(json.dumps(document, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``orcapod bench`` (a sweep against a running service)."""
     args = _parser().parse_args(argv)
+    if args.trace == MULTITURN:
+        try:
+            return run_multiturn(args)
+        except (LoadError, ValueError) as error:
+            print(f"orcapod bench: {error}")
+            return 1
+    if args.max_tokens is None:
+        args.max_tokens = DEFAULT_MAX_TOKENS
     rates = args.rates or parse_rates(QUICK_RATES if args.quick else "0.25")
     duration = args.duration or (QUICK_DURATION_S if args.quick else None)
     if duration is None and args.requests is None:
