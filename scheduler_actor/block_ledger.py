@@ -8,10 +8,11 @@ free and evictable blocks alike (``num_free``): an evictable block is evicted
 only when a request needs a block and no free one is left.
 
 Eviction: least recently released first, taken from the cache group that
-holds the most evictable blocks, so a tenant churning distinct prefixes
-evicts its own blocks before anyone else's (a max-min fair share of the
-cache). A request's blocks are released tail first, so a chain loses its
-last blocks before its first (a prefix is only found from its start).
+holds the most evictable blocks (one allocation at a time), so a tenant
+churning distinct prefixes evicts its own blocks before anyone else's (a
+max-min fair share of the cache, to within one request's blocks). A
+request's blocks are released tail first, so a chain loses its last blocks
+before its first (a prefix is only found from its start).
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class _LargestFirst:
     """Evictable blocks per cache group, LRU within a group, the largest group first.
 
     The largest group is found through a heap of (-size, group) entries, one
-    pushed whenever a group's size changes (a release pushes a whole table
-    at once); entries whose size is no longer the group's are dropped when
-    they reach the top, and the heap is rebuilt when they outnumber the groups.
+    pushed whenever a group's size changes, once per batch (a release, a
+    hit, an allocation); entries whose size is no longer the group's are
+    dropped when they reach the top, and the heap is rebuilt when they
+    outnumber the groups.
     """
 
     __slots__ = ("_groups", "_heap", "size")
@@ -68,32 +70,49 @@ class _LargestFirst:
         before = len(blocks)
         blocks.update(dict.fromkeys(block_ids))
         self.size += len(blocks) - before
-        self._resized(group, len(blocks))
+        self._resized(group, blocks)
 
-    def remove(self, group: str, block_id: int) -> None:
+    def remove(self, group: str, block_ids: Iterable[int]) -> None:
+        """Take these blocks of the group out (they are held again)."""
         blocks = self._groups[group]
-        del blocks[block_id]
-        self.size -= 1
-        if blocks:
-            self._resized(group, len(blocks))
-        else:
-            del self._groups[group]
+        before = len(blocks)
+        for block_id in block_ids:
+            del blocks[block_id]
+        self.size -= before - len(blocks)
+        self._resized(group, blocks)
 
-    def pop(self) -> int:
-        """The least recently released block of the largest group."""
+    def pop(self, count: int) -> list[int]:
+        """``count`` blocks, least recently released first, from the largest
+        group (then the next largest, if it has fewer): one allocation at a
+        time, not one block, so groups of equal size are not visited in turn
+        block by block (the caller knows there are that many)."""
+        taken: list[int] = []
+        while len(taken) < count:
+            group, blocks = self._top()
+            assert blocks is not None, "fewer evictable blocks than asked for"
+            heapq.heappop(self._heap)
+            for _ in range(min(count - len(taken), len(blocks))):
+                taken.append(blocks.popitem(last=False)[0])
+            self._resized(group, blocks)
+        self.size -= count
+        return taken
+
+    def _top(self) -> tuple[str, OrderedDict[int, None] | None]:
+        """The largest group and its blocks (None when there is none), stale entries dropped."""
         heap, groups = self._heap, self._groups
-        while True:
+        while heap:
             negative_size, group = heap[0]
             blocks = groups.get(group)
             if blocks is not None and len(blocks) == -negative_size:
-                break
+                return group, blocks
             heapq.heappop(heap)
-        block_id = next(iter(blocks))
-        self.remove(group, block_id)
-        return block_id
+        return "", None
 
-    def _resized(self, group: str, size: int) -> None:
-        heapq.heappush(self._heap, (-size, group))
+    def _resized(self, group: str, blocks: OrderedDict[int, None]) -> None:
+        if not blocks:
+            del self._groups[group]
+            return
+        heapq.heappush(self._heap, (-len(blocks), group))
         if len(self._heap) > 4 * len(self._groups) + 64:
             self._heap = [(-len(blocks), name) for name, blocks in self._groups.items()]
             heapq.heapify(self._heap)
@@ -172,17 +191,18 @@ class BlockLedger:
         """Take ``num_blocks`` blocks: free ones first, then evicted ones; the
         caller checked ``can_allocate``."""
         assert 0 <= num_blocks <= self.num_free, (num_blocks, self.num_free)
-        block_ids = []
-        for _ in range(num_blocks):
-            if self._free:
-                block_id = self._free.popleft()
-            else:
-                block_id = self._evictable.pop()
+        free = self._free
+        block_ids = [free.popleft() for _ in range(min(num_blocks, len(free)))]
+        if len(block_ids) < num_blocks:
+            evicted = self._evictable.pop(num_blocks - len(block_ids))
+            for block_id in evicted:
                 hash_, _ = self._cached.pop(block_id)
                 del self._block_of[hash_]
-                self.stats.num_evictions += 1
-            self._refcounts[block_id] = 1
-            block_ids.append(block_id)
+            self.stats.num_evictions += len(evicted)
+            block_ids += evicted
+        refcounts = self._refcounts
+        for block_id in block_ids:
+            refcounts[block_id] = 1
         self.num_used += num_blocks
         return block_ids
 
@@ -225,11 +245,14 @@ class BlockLedger:
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Hold cached blocks (a prefix hit); an evictable one is revived."""
         refcounts = self._refcounts
+        revived: dict[str, list[int]] = {}
         for block_id in block_ids:
             if not refcounts[block_id]:
-                self._evictable.remove(self._cached[block_id][1], block_id)
+                revived.setdefault(self._cached[block_id][1], []).append(block_id)
                 self.num_used += 1
             refcounts[block_id] += 1
+        for group, group_blocks in revived.items():
+            self._evictable.remove(group, group_blocks)
 
     def commit(self, block_id: int, hash_: bytes, group: str) -> None:
         """A held block is full and its K/V written: cache it under its chain

@@ -28,7 +28,7 @@ from scheduler_actor.errors import (
 from scheduler_actor.placement import KvRelease, Placements
 from scheduler_actor.plan_builder import PlanBuilder
 from scheduler_actor.policy import make_policy
-from scheduler_actor.prefix_cache import cache_group_of, commit_written, prefix_hit
+from scheduler_actor.prefix_cache import cache_group_of, commit_confirmed, prefix_hit
 from scheduler_actor.request import EndReason, FinishedRequest, Request, RequestStatus
 from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
@@ -236,7 +236,7 @@ class Scheduler:
         # Locals: this loop runs for every token of every step.
         worker_id, placed, requests = worker.worker_id, RequestStatus.PLACED, self._requests
         ledger = worker.ledger
-        block_size, caching = ledger.block_size, ledger.prefix_caching
+        caching = ledger.prefix_caching
         for planned in batch:
             if planned.status is placed and planned.worker_id == worker_id:
                 planned.num_inflight -= 1
@@ -255,14 +255,12 @@ class Scheduler:
             if token.index != len(generated_ids):
                 continue
             generated_ids.append(token.token_id)
-            # Every position before the newest token's holds K/V once a step of
-            # this placement sampled it: the blocks it filled are cached.
-            if caching:
-                num_written = len(request.prompt_ids) + len(generated_ids) - 1
-                if num_written // block_size > request.num_committed_blocks and len(
-                    generated_ids
-                ) > len(request.context_ids) - len(request.prompt_ids):
-                    commit_written(ledger, request, num_written)
+            # The placement's first token: its whole context is written (the
+            # rest is cached when it leaves the worker: Placements.move).
+            if caching and len(generated_ids) == (
+                len(request.context_ids) - len(request.prompt_ids) + 1
+            ):
+                commit_confirmed(ledger, request)
             tenant = request.tenant
             num_tokens_by_tenant[tenant] = num_tokens_by_tenant.get(tenant, 0) + 1
             reason: FinishReason | None = token.finish_reason

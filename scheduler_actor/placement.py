@@ -2,8 +2,9 @@
 
 A request's placement is held in several records: its ``status`` and
 ``worker_id``, its worker's ``placed`` map (or ``held`` batch), that worker's
-``BlockLedger``, the policy's waiting queue, the tenant ledger's counts, and
-the releases the worker is told of before its next step. ``Placements.move``
+``BlockLedger`` (which keeps the blocks it wrote cached as it leaves), the
+policy's waiting queue, the tenant ledger's counts, and the releases the
+worker is told of before its next step. ``Placements.move``
 changes them all together, so they cannot disagree; nothing else changes
 them. The prompt's VTC charge is made here too: when a request is placed for
 the first time. See docs/scheduler.md.
@@ -15,6 +16,7 @@ import enum
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from scheduler_actor.prefix_cache import commit_confirmed
 from scheduler_actor.request import Request, RequestStatus
 from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
@@ -128,6 +130,8 @@ class Placements:
         worker = self._workers[request.worker_id]
         del worker.placed[request.request_id]
         request.worker_id = None
+        # What its returned steps wrote stays cached after it (a next turn's prefix).
+        commit_confirmed(worker.ledger, request)
         if kv is KvRelease.AT_BATCH_END:
             worker.held.append(request)
         else:

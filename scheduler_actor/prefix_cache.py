@@ -8,10 +8,14 @@ ledger is its own: one model, one weight format; a worker that joins again
 starts empty). Tenants are in a group of their own unless the operator puts
 them in a shared one, so no tenant can hit, or time, another's blocks.
 
-A block is cached (``commit``) only once the step that wrote it has
-returned: what is cached is known to be written, whatever fails later. A hit
-stops one token short of the context, so a placement always computes the
-token it samples from.
+A block is cached (``commit_confirmed``) only once the step that wrote it
+has returned: what is cached is known to be written, whatever fails later.
+That is checked twice per placement: when its first token comes back (the
+whole context is written: a shared system prompt is found by the requests
+admitted after) and when it leaves its worker (finished, cancelled,
+preempted: its answer too, for a conversation's next turn). A hit stops one
+token short of the context, so a placement always computes the token it
+samples from.
 """
 
 from __future__ import annotations
@@ -63,18 +67,30 @@ def prefix_hit(ledger: BlockLedger, request: Request) -> list[int]:
     if not ledger.prefix_caching:
         return []
     num_context_tokens = len(request.prompt_ids) + len(request.generated_ids)
-    num_blocks = (num_context_tokens - 1) // ledger.block_size
-    return ledger.match(
-        islice(block_hashes(request, ledger.block_size, num_blocks), 1, num_blocks + 1)
-    )
+    block_size = ledger.block_size
+    num_blocks = (num_context_tokens - 1) // block_size
+    # Most prompts miss at their first block: hash the rest only after a hit there.
+    if not num_blocks or not ledger.match(block_hashes(request, block_size, 1)[1:2]):
+        return []
+    return ledger.match(islice(block_hashes(request, block_size, num_blocks), 1, num_blocks + 1))
 
 
-def commit_written(ledger: BlockLedger, request: Request, num_written_tokens: int) -> None:
+def commit_confirmed(ledger: BlockLedger, request: Request) -> None:
+    """Cache the full blocks a placed request's returned steps wrote: once a
+    step of this placement sampled a token, every position before the newest
+    token's holds K/V (the newest one is fed by the next step)."""
+    num_generated_before = len(request.context_ids) - len(request.prompt_ids)
+    if ledger.prefix_caching and len(request.generated_ids) > num_generated_before:
+        num_written = len(request.prompt_ids) + len(request.generated_ids) - 1
+        _commit_written(ledger, request, num_written)
+
+
+def _commit_written(ledger: BlockLedger, request: Request, num_written_tokens: int) -> None:
     """The request's first ``num_written_tokens`` positions hold K/V on its
-    worker (a step that wrote them returned): cache its full blocks among them."""
+    worker: cache its full blocks among them."""
     num_full = min(num_written_tokens // ledger.block_size, len(request.block_ids))
     first = request.num_committed_blocks
-    if num_full <= first or not ledger.prefix_caching:
+    if num_full <= first:
         return
     hashes = block_hashes(request, ledger.block_size, num_full)
     block_ids, group = request.block_ids, request.cache_group
