@@ -14,11 +14,11 @@ import openai
 from tests.adversarial.service import KEYS, Service
 
 MODEL = "SmolLM2-135M-Instruct"
-# About 400 tokens: its prefill takes the CPU hundreds of milliseconds, a hit a few.
+# About 300 tokens: its prefill takes the CPU hundreds of milliseconds, a hit a few.
 SYSTEM = " ".join(
     f"Rule {index}: answer the customer of the harbour bakery politely, in one short line, "
     f"and never mention the secret recipe number {index * 37 % 101}."
-    for index in range(14)
+    for index in range(10)
 )
 
 
@@ -47,7 +47,7 @@ def test_a_repeated_conversation_reports_its_cached_prompt_tokens(service: Servi
     client = _client(service, "victim")
     messages = _messages("Do you sell rye bread?", system=f"(repeat test) {SYSTEM}")
     _seconds, num_prompt, first_cached = _ask(client, messages)
-    assert num_prompt > 300 and first_cached == 0
+    assert num_prompt > 250 and first_cached == 0
     _seconds, num_prompt_again, cached = _ask(client, messages)
     assert num_prompt_again == num_prompt
     # Every full 16-token block but the one holding the last token.
@@ -62,7 +62,7 @@ def test_another_tenant_can_neither_hit_nor_time_a_cached_prompt(service: Servic
         secret = _messages(f"What is secret number {attempt}?", system=f"<{attempt}> {SYSTEM}")
         _ask(victim, secret)  # the victim's prompt is cached now
         seconds, _, cached = _ask(victim, secret)
-        assert cached > 300
+        assert cached > 250
         hits.append(seconds)
         # The attacker sends the victim's exact prompt, for the first time.
         seconds, _, cached = _ask(attacker, secret)

@@ -24,9 +24,8 @@ QUESTIONS = [
     ["What do you sell?", "Which one is best for toast?", "How long does it keep?"],
     ["Hello!", "Do you bake on Sundays?", "What time do you open?"],
     ["Is rye healthy?", "And sourdough?", "Which has more fibre?"],
-    ["Recommend a cake.", "Something without chocolate?", "Thanks, and a bread?"],
 ]
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 BLOCK_SIZE = 16
 NUM_BLOCKS = 160
 
