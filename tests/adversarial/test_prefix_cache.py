@@ -43,26 +43,20 @@ def _ask(client: openai.OpenAI, messages: list[Any]) -> tuple[float, int, int]:
     return seconds, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
 
 
-def test_a_repeated_conversation_reports_its_cached_prompt_tokens(service: Service) -> None:
-    client = _client(service, "victim")
-    messages = _messages("Do you sell rye bread?", system=f"(repeat test) {SYSTEM}")
-    _seconds, num_prompt, first_cached = _ask(client, messages)
-    assert num_prompt > 250 and first_cached == 0
-    _seconds, num_prompt_again, cached = _ask(client, messages)
-    assert num_prompt_again == num_prompt
-    # Every full 16-token block but the one holding the last token.
-    assert num_prompt - 16 <= cached < num_prompt and cached % 16 == 0
-
-
-def test_another_tenant_can_neither_hit_nor_time_a_cached_prompt(service: Service) -> None:
+def test_a_cached_prompt_is_reported_and_no_other_tenant_can_hit_or_time_it(
+    service: Service,
+) -> None:
     victim, attacker = _client(service, "victim"), _client(service, "attacker")
     hits, probes, misses = [], [], []
     for attempt in range(3):
         # Each attempt's prompts differ from their first token: no earlier one is a prefix.
         secret = _messages(f"What is secret number {attempt}?", system=f"<{attempt}> {SYSTEM}")
-        _ask(victim, secret)  # the victim's prompt is cached now
-        seconds, _, cached = _ask(victim, secret)
-        assert cached > 250
+        _seconds, num_prompt, first_cached = _ask(victim, secret)
+        assert num_prompt > 250 and first_cached == 0
+        # Sent again, every full 16-token block but the one holding its last token is cached.
+        seconds, num_prompt_again, cached = _ask(victim, secret)
+        assert num_prompt_again == num_prompt
+        assert num_prompt - 16 <= cached < num_prompt and cached % 16 == 0
         hits.append(seconds)
         # The attacker sends the victim's exact prompt, for the first time.
         seconds, _, cached = _ask(attacker, secret)

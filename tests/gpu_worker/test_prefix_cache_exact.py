@@ -23,9 +23,8 @@ SYSTEM = (
 QUESTIONS = [
     ["What do you sell?", "Which one is best for toast?", "How long does it keep?"],
     ["Hello!", "Do you bake on Sundays?", "What time do you open?"],
-    ["Is rye healthy?", "And sourdough?", "Which has more fibre?"],
 ]
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 BLOCK_SIZE = 16
 NUM_BLOCKS = 160
 

@@ -13,7 +13,7 @@ from scheduler_actor.core import MAX_WORKERS_LOST, WORKERS_LOST_MESSAGE
 from tests.scheduler_actor.harness import Job, run
 
 PROPERTY_SETTINGS = settings(
-    max_examples=150,
+    max_examples=110,
     deadline=None,
     derandomize=True,
     database=None,
