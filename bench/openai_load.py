@@ -52,7 +52,6 @@ import contextlib
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -66,7 +65,7 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.llama_cpp import binaries, log, machine, packaged_gguf  # noqa: E402
+from bench.llama_cpp import llama_server, log, machine  # noqa: E402
 
 AIPERF_VERSION = "0.13.0"
 DEFAULT_VENV = Path.home() / ".cache" / "orcapod" / "loadtool-venv"
@@ -308,51 +307,6 @@ def served_model(url: str, api_key: str | None) -> str:
         return str(json.load(response)["data"][0]["id"])
 
 
-def _wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
-            if response.status == 200:
-                return
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{url} did not answer 200")
-        time.sleep(0.5)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@contextlib.contextmanager
-def llama_server(cache_dir: Path, threads: int, log_path: Path) -> Iterator[str]:
-    """llama.cpp's server on the packaged GGUF on a free loopback port; yields its URL."""
-    from orcapod.embedded_redis import free_loopback_port
-
-    server = binaries(cache_dir)["llama-server"]
-    if not server.exists():
-        raise SystemExit(f"{server} is missing: python bench/llama_cpp.py --build-only")
-    port = free_loopback_port()
-    argv = [
-        str(server), "-m", str(packaged_gguf()), "--host", "127.0.0.1", "--port", str(port),
-        "-t", str(threads), "-np", str(LLAMA_SLOTS), "-c", str(LLAMA_CONTEXT),
-        "-a", DEFAULT_TOKENIZER.name, "--no-webui",
-    ]  # fmt: skip
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            _wait_http_ok(f"http://127.0.0.1:{port}/health", process)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            _stop(process)
-
-
 @contextlib.contextmanager
 def own_orcapod(log_path: Path) -> Iterator[str]:
     """``orcapod up`` on its own redis-server (caps lifted); yields its HTTP URL."""
@@ -486,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.ExitStack() as stack:
             peer = args.peer_url or stack.enter_context(
                 llama_server(args.llama_cache_dir.expanduser(), args.llama_threads,
-                             results / "llama-server.log")
+                             LLAMA_SLOTS, LLAMA_CONTEXT, results / "llama-server.log",
+                             alias=DEFAULT_TOKENIZER.name)
             )  # fmt: skip
             target = "llama-server" if args.llama_server else args.peer_name
             runs.append(run_aiperf(args, aiperf, peer.rstrip("/"), target, load, results))
