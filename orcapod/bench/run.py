@@ -227,10 +227,7 @@ def run_multiturn(args: argparse.Namespace) -> int:
     print(turn_table(summaries))
     print()
     print(overview_table(summaries))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"machine": machine(), "settings": asdict(spec), "runs": summaries}
-    args.out.write_text(json.dumps(document, indent=1))
-    print(f"\nwrote {args.out}")
+    _write_results(args.out, asdict(spec), summaries)
     return 0
 
 
@@ -271,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
             stats.close()
     print()
     print(table(runs))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"machine": machine(), "settings": asdict(sweep), "runs": runs}
-    args.out.write_text(json.dumps(document, indent=1))
-    print(f"\nwrote {args.out}")
+    _write_results(args.out, asdict(sweep), runs)
     return 0
+
+
+def _write_results(out: Path, settings: dict, runs: object) -> None:
+    """The run's JSON: the machine, the settings and every run."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document = {"machine": machine(), "settings": settings, "runs": runs}
+    out.write_text(json.dumps(document, indent=1))
+    print(f"\nwrote {out}")

@@ -191,6 +191,18 @@ def test_recompute_after_preemption_continues_with_the_same_tokens(model):
             "outside 0 to 15",
         ),
         (
+            _plan(1, decode_request_ids=["a"], block_grants={"a": [2**63 - 1]}),
+            "outside 0 to 15",
+        ),
+        (
+            _plan(
+                1,
+                new_requests=[RequestSpec("b", 9, GREEDY, num_cached_tokens=2**63 - 1)],
+                block_grants={"b": [5, 6, 7]},
+            ),
+            "at least one must be computed",
+        ),
+        (
             _plan(
                 1,
                 new_requests=[RequestSpec("b", 8, GREEDY, num_cached_tokens=8)],
