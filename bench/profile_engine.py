@@ -75,7 +75,7 @@ from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.weights import random_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
-from shared.settings import model_location
+from shared.settings import WEIGHT_FORMATS, model_location
 
 BLOCK_SIZE = 16
 SAMPLING = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
@@ -338,13 +338,16 @@ def aten_breakdown(scenarios: Scenarios, name: str, top: int = 12) -> dict[str, 
     }
 
 
-def py_spy_breakdown(model_dir: Path, context: int, name: str) -> dict[str, Any]:
+def py_spy_breakdown(
+    model_dir: Path, context: int, name: str, weight_format: str
+) -> dict[str, Any]:
     """Sample a child process that loops the step; classify each sample's innermost frame."""
     py_spy = Path(sys.executable).with_name("py-spy")
     if not py_spy.exists():
         return {"error": f"py-spy not found beside {sys.executable} (pip install py-spy)"}
     script = str(Path(__file__).resolve())
-    child_args = [sys.executable, script, "--loop", name, "--context", str(context)]
+    child_args = [sys.executable, script, "--loop", name, "--context", str(context),
+                  "--weights", weight_format]  # fmt: skip
     child = subprocess.Popen(
         [*child_args, "--model", str(model_dir)], stdout=subprocess.PIPE, text=True
     )
@@ -411,9 +414,9 @@ def narrow_twin(model: LlamaModel) -> LlamaModel:
     return LlamaModel(config, random_weights(config, cpu, torch.float32), cpu, torch.float32)
 
 
-def loop_forever(model_dir: Path, context: int, name: str) -> None:
+def loop_forever(model_dir: Path, context: int, name: str, weight_format: str) -> None:
     """The py-spy target: set up, say ready, then step until terminated."""
-    scenarios = Scenarios(load_model(model_dir, "cpu", "float32"), context)
+    scenarios = Scenarios(load_model(model_dir, "cpu", "float32", weight_format), context)
     run, reset = scenarios.step_and_reset(name)
     reset()
     run()
@@ -489,6 +492,9 @@ def main() -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--context", type=int, default=512, help="K/V tokens each decode attends")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--weights", choices=WEIGHT_FORMATS, default="float32", help="the worker's --weights"
+    )
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--no-narrow", action="store_true", help="skip the narrow-twin decode")
     parser.add_argument("--loop", choices=SCENARIOS, help=argparse.SUPPRESS)
@@ -497,13 +503,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = model_location(model_dir=args.model).model_dir
     if args.loop:
-        loop_forever(model_dir, args.context, args.loop)
+        loop_forever(model_dir, args.context, args.loop, args.weights)
         return
     started = time.perf_counter()
-    model = load_model(model_dir, "cpu", "float32")
+    model = load_model(model_dir, "cpu", "float32", args.weights)
     scenarios = Scenarios(model, args.context)
     results: dict[str, Any] = {"machine": machine(), "model_dir": str(model_dir),
-                               "context": args.context, "scenarios": {}}  # fmt: skip
+                               "context": args.context, "weights": args.weights,
+                               "scenarios": {}}  # fmt: skip
     for name in args.scenarios.split(","):
         print(f"profiling {name} ...", file=sys.stderr, flush=True)
         entry = {
@@ -523,7 +530,9 @@ def main() -> None:
         del scenarios, model  # one process at a time on the two cores
         for name in [n for n in results["scenarios"] if n in SCENARIOS]:
             print(f"py-spy {name} ...", file=sys.stderr, flush=True)
-            results["scenarios"][name]["py_spy"] = py_spy_breakdown(model_dir, args.context, name)
+            results["scenarios"][name]["py_spy"] = py_spy_breakdown(
+                model_dir, args.context, name, args.weights
+            )
     results["wall_s"] = time.perf_counter() - started
     print_tables(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

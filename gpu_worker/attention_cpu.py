@@ -38,6 +38,15 @@ class _Group:
     num_kv_slots: int  # max_blocks * block_size
     additive_mask: torch.Tensor  # [B, 1, max_q, num_kv_slots], 0 or -inf
     output_rows: torch.Tensor  # [num_valid] rows the valid queries come from
+    # (first, end) when the group's queries are exactly rows first..end - 1 in
+    # order, one per request (decodes, as plans lay them out): they are read
+    # and written as a slice, without the index ops (tens of microseconds a
+    # layer, most of a batch-1 decode's attention).
+    row_slice: tuple[int, int] | None
+    # (first, count) when the group is one request whose blocks are consecutive
+    # (a lone chat, as the ledger hands out blocks): its K/V is read in place,
+    # a view of the pool, instead of copied.
+    block_slice: tuple[int, int] | None
 
 
 def _group(
@@ -54,6 +63,13 @@ def _group(
     num_kv_slots = tables.shape[1] * block_size
     visible = causal_mask(num_query_tokens, [s.num_cached_tokens for s in layout], num_kv_slots)
     additive_mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+    first = layout[0].query_start
+    in_order = all(
+        sequence.num_query_tokens == 1 and sequence.query_start == first + index
+        for index, sequence in enumerate(layout)
+    )
+    table = layout[0].block_table
+    consecutive = len(layout) == 1 and table == list(range(table[0], table[0] + len(table)))
     return _Group(
         query_rows=query_rows.to(device),
         valid=valid.to(device),
@@ -62,6 +78,8 @@ def _group(
         num_kv_slots=num_kv_slots,
         additive_mask=additive_mask.to(device),
         output_rows=query_rows[valid].to(device),
+        row_slice=(first, first + len(layout)) if in_order else None,
+        block_slice=(table[0], len(table)) if consecutive else None,
     )
 
 
@@ -76,11 +94,14 @@ class CpuAttention:
         # shrunk once far larger than what a step needs.
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _gather(
-        self, cache: torch.Tensor, block_size: int, ids: torch.Tensor, slot: tuple[int, int]
-    ) -> torch.Tensor:
-        """The blocks ``ids`` of ``cache``, copied into the buffer of ``slot``."""
-        blocks = cache.view(cache.shape[0] // block_size, -1)
+    def _gather(self, cache: torch.Tensor, group: _Group, slot: tuple[int, int]) -> torch.Tensor:
+        """The group's blocks of ``cache``: a view where they are consecutive, else
+        copied into the buffer of ``slot``."""
+        blocks = cache.view(cache.shape[0] // group.block_size, -1)
+        if group.block_slice is not None:
+            first, count = group.block_slice
+            return blocks[first : first + count]
+        ids = group.block_ids
         buffer = self._buffers.get(slot)
         if (
             buffer is None
@@ -118,18 +139,35 @@ class CpuAttention:
     ) -> torch.Tensor:
         """Attention of every request over its own cached plus new K/V."""
         assert isinstance(prepared, list)
+        if len(prepared) == 1 and prepared[0].row_slice == (0, len(queries)):
+            return self._attend_group(queries.unsqueeze(2), keys, values, prepared[0], 0)[:, :, 0]
         output = torch.empty_like(queries)  # [T, heads, head_dim]
-        _, num_kv_heads, head_dim = keys.shape
         for index, group in enumerate(prepared):
-            batch = len(group.query_rows)
-            query = queries[group.query_rows].transpose(1, 2)  # [B, heads, max_q, head_dim]
-            gathered = (batch, group.num_kv_slots, num_kv_heads, head_dim)
-            key = self._gather(keys, group.block_size, group.block_ids, (index, 0))
-            value = self._gather(values, group.block_size, group.block_ids, (index, 1))
-            key = key.view(gathered).transpose(1, 2)  # [B, kv_heads, kv_slots, head_dim]
-            value = value.view(gathered).transpose(1, 2)
-            attended = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=group.additive_mask, enable_gqa=True
-            )  # [B, heads, max_q, head_dim]
-            output[group.output_rows] = attended.transpose(1, 2)[group.valid]
+            if group.row_slice is not None:
+                first, end = group.row_slice
+                query = queries[first:end].unsqueeze(2)  # [B, heads, 1, head_dim]
+                output[first:end] = self._attend_group(query, keys, values, group, index)[:, :, 0]
+            else:
+                query = queries[group.query_rows].transpose(1, 2)  # [B, heads, max_q, head_dim]
+                attended = self._attend_group(query, keys, values, group, index)
+                output[group.output_rows] = attended.transpose(1, 2)[group.valid]
         return output
+
+    def _attend_group(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        group: _Group,
+        index: int,
+    ) -> torch.Tensor:
+        """SDPA of ``query`` [B, heads, max_q, head_dim] over the group's gathered K/V."""
+        _, num_kv_heads, head_dim = keys.shape
+        gathered = (len(group.query_rows), group.num_kv_slots, num_kv_heads, head_dim)
+        key = self._gather(keys, group, (index, 0))
+        value = self._gather(values, group, (index, 1))
+        key = key.view(gathered).transpose(1, 2)  # [B, kv_heads, kv_slots, head_dim]
+        value = value.view(gathered).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=group.additive_mask, enable_gqa=True
+        )  # [B, heads, max_q, head_dim]

@@ -14,7 +14,7 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
 
     Without those units torch emulates bf16 on the CPU, several times slower
-    than fp32, so bf16 is only the CPU default where they exist.
+    than fp32, so ``--weights int4`` (bf16 arithmetic) runs only where they exist.
     """
     try:
         flags = cpuinfo.read_text(encoding="utf-8", errors="replace")
@@ -34,11 +34,15 @@ def choose_device(requested: str | None = None) -> torch.device:
 
 
 def choose_dtype(device: torch.device, requested: str | None = None) -> torch.dtype:
-    """``requested`` by name, else bf16 on CUDA and on CPUs with bf16 units, else fp32."""
+    """``requested`` by name, else bf16 on CUDA and fp32 on the CPU.
+
+    fp32 on every CPU, bf16 units or not: there ``--weights auto`` packs the
+    matrices (int4 with bf16 arithmetic where the units exist, else fp16),
+    and a whole bf16 model decoded 10x slower than that on an avx512_bf16
+    Xeon (docs/benchmarks.md, *Issue 14, fourth step*).
+    """
     if requested:
         if requested not in DTYPES:
             raise ValueError(f"dtype {requested!r} is not one of {', '.join(DTYPES)}")
         return DTYPES[requested]
-    if device.type == "cuda" or cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32

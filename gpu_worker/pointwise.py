@@ -94,11 +94,12 @@ class TorchPointwise:
     ) -> torch.Tensor:
         cos, sin = cast(tuple[torch.Tensor, torch.Tensor], rotary_inputs)
         head_dim = keys.shape[-1]
-        query, key, value = qkv.split(
-            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+        query_key, value = qkv.split(
+            [(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1
         )
-        query = apply_rotary(query.view(-1, num_heads, head_dim), cos, sin)
-        key = apply_rotary(key.view(-1, num_kv_heads, head_dim), cos, sin)
+        # Queries and keys rotate as one tensor: the same arithmetic, half the ops.
+        rotated = apply_rotary(query_key.view(-1, num_heads + num_kv_heads, head_dim), cos, sin)
+        query, key = rotated.split([num_heads, num_kv_heads], dim=1)
         write_kv(keys, values, slot_mapping, key, value.view(-1, num_kv_heads, head_dim))
         return query
 

@@ -14,6 +14,15 @@ wheel:
   depends on the other rows of its step through that shared scale.
 - ``float16``: weights rounded to fp16 once; activations and accumulation
   stay fp32 (about 0.02 % per layer, independent of the batch).
+- ``int4``: for weights that already lie on a 4-bit grid per 32 values (a
+  scale and a minimum per group: llama.cpp's Q4_1, the packaged model's
+  format), held exactly in 4 bits for torch's ``_weight_int4pack_mm_for_cpu``
+  with bf16 activations, scales and output (about 0.3 % per layer); calls of
+  more rows than ``INT4_MAX_ROWS`` take a bf16 copy of the same matrix
+  instead, where the 4-bit kernel is slower than a dense one. Only on CPUs
+  with avx512_bf16: elsewhere bf16 is emulated, slower than fp32. A tied LM
+  head that is not on the grid (the packaged model's embedding is Q8_0)
+  gets fp16 for few rows and the bf16 copy for more.
 
 ``pack_weights`` turns loaded fp32 ``ModelWeights`` into packed ones, or
 hands them back unchanged with one log line saying why it cannot: not the
@@ -35,15 +44,24 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.device import cpu_has_native_bf16
 from shared.settings import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from gpu_worker.weights import ModelWeights
 
-# What ``auto`` packs where fbgemm runs: every greedy token of 20 chat prompts
-# identical to fp32's, logits within 0.15 %, 1.6-1.8x fp32's decode at batch 1
-# (docs/benchmarks.md, *Issue 14, second step*). int8 is not near-exact there.
-AUTO_CPU_FORMAT = "float16"
+# What ``auto`` tries on the CPU, in order, the first that packs and passes the
+# probe winning. float16: every greedy token of 20 chat prompts identical to
+# fp32's, logits within 0.15 %, 1.6-1.8x fp32's decode at batch 1 (AVX2,
+# docs/benchmarks.md, *Issue 14, second step*); int4, where it runs, reads a
+# quarter of float16's bytes (*Issue 14, fourth step*). int8 is not near-exact.
+AUTO_CPU_FORMATS = ("int4", "float16")
+# The 4-bit groups: one scale and one minimum per this many weights of a row.
+INT4_GROUP_SIZE = 32
+# Calls of at most this many rows take the 4-bit kernel, larger ones the bf16
+# copy: measured crossover between 8 and 16 rows on SmolLM2's shapes
+# (docs/benchmarks.md, *Issue 14, fourth step*).
+INT4_MAX_ROWS = 8
 # Packed weights whose probe logits differ from the loaded weights' by more
 # than this (relative L2) are not used. Measured: float16 0.04 % on SmolLM2
 # and 0.03 % on the tests' tiny model; int8 26 % and 2.4 %.
@@ -108,10 +126,85 @@ class Float16Linear:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 
-PackedLinear = Int8Linear | Float16Linear
-_PACKERS: dict[str, type[Int8Linear] | type[Float16Linear]] = {
+@dataclass(frozen=True)
+class Int4Kernel:
+    """``[out, in]`` weights on a 4-bit grid per ``INT4_GROUP_SIZE`` values, exactly,
+    for ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations and output)."""
+
+    packed: torch.Tensor  # [out, in / 2] uint8, torch's int4pack layout
+    scales_and_zeros: torch.Tensor  # [in / group, out, 2] bf16: w = (q - 8) * scale + zero
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Int4Kernel:
+        """``weight`` [out, in] (fp32), whose every group of 32 is ``q * scale + minimum``
+        with q in 0..15; PackError when it is not (a 4-bit form would change it)."""
+        out_features, in_features = weight.shape
+        if in_features % INT4_GROUP_SIZE:
+            raise PackError(f"has {in_features} columns, not a multiple of {INT4_GROUP_SIZE}")
+        if out_features % 16:  # the kernel's tiles
+            raise PackError(f"has {out_features} rows, not a multiple of 16")
+        groups = weight.reshape(out_features, -1, INT4_GROUP_SIZE)
+        minimum = groups.amin(dim=-1)
+        scale = (groups.amax(dim=-1) - minimum) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
+        levels = ((groups - minimum[..., None]) / scale[..., None]).round().clamp(0, 15)
+        # fp32 rounding of q * scale + minimum is far below a thousandth of a step.
+        off_grid = (levels * scale[..., None] + minimum[..., None] - groups).abs()
+        if not bool((off_grid <= 1e-3 * scale[..., None]).all()):  # NaN too (an overflow)
+            raise PackError(f"is not on a 4-bit grid of {INT4_GROUP_SIZE} values (not Q4_1)")
+        zeros = minimum + 8 * scale  # the kernel subtracts 8 from each level
+        scales_and_zeros = torch.stack((scale, zeros), dim=-1).transpose(0, 1).to(torch.bfloat16)
+        if not bool(torch.isfinite(scales_and_zeros).all()):
+            raise PackError("has 4-bit scales beyond bf16's range")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            levels.reshape(out_features, in_features).to(torch.int32), 1
+        )
+        return cls(packed, scales_and_zeros.contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] -> [T, out] bf16."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, INT4_GROUP_SIZE, self.scales_and_zeros
+        )
+
+
+@dataclass(frozen=True)
+class Int4Linear:
+    """One matrix twice: ``few_rows`` (4-bit, or fp16 for a tied LM head off the grid)
+    for calls of at most ``INT4_MAX_ROWS`` rows, a bf16 copy for larger ones."""
+
+    few_rows: Int4Kernel | Float16Linear
+    many_rows: torch.Tensor  # [out, in] bf16
+    out_features: int
+    in_features: int
+    bytes_per_weight = 2.5  # 0.5 + 2 (fp16's 2 + 2 for a head off the grid)
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, off_grid_ok: bool = False) -> Int4Linear:
+        """``weight`` [out, in] (fp32) on a 4-bit grid (PackError otherwise), or any
+        ``weight`` with ``off_grid_ok``, which then keeps fp16 for few rows."""
+        try:
+            few_rows: Int4Kernel | Float16Linear = Int4Kernel.pack(weight)
+        except PackError:
+            if not off_grid_ok:
+                raise
+            few_rows = Float16Linear.pack(weight)
+        out_features, in_features = weight.shape
+        return cls(few_rows, weight.to(torch.bfloat16), int(out_features), int(in_features))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] fp32 -> [T, out] fp32."""
+        if len(x) <= INT4_MAX_ROWS:
+            return self.few_rows(x).float()
+        return F.linear(x.to(torch.bfloat16), self.many_rows).float()
+
+
+PackedLinear = Int8Linear | Float16Linear | Int4Linear
+Packer = type[Int8Linear] | type[Float16Linear] | type[Int4Linear]
+_PACKERS: dict[str, Packer] = {
     "int8": Int8Linear,
     "float16": Float16Linear,
+    "int4": Int4Linear,
 }
 
 
@@ -126,11 +219,16 @@ def linear(
 
 
 def unsupported_reason(
-    device: torch.device, dtype: torch.dtype, engines: list[str] | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    engines: list[str] | None = None,
+    weight_format: str = "float16",
+    bf16_native: bool | None = None,
 ) -> str | None:
-    """Why packed weights cannot run on ``device`` in ``dtype``, or None when they can.
+    """Why ``weight_format`` cannot run on ``device`` in ``dtype``, or None when it can.
 
-    ``engines``: torch's quantized engines (default: this build's).
+    ``engines``: torch's quantized engines (default: this build's);
+    ``bf16_native``: whether the CPU has avx512_bf16 (default: this one's).
     """
     if device.type != "cpu":
         return f"packed weights run on the CPU only, not on {device.type}"
@@ -139,6 +237,10 @@ def unsupported_reason(
     available = torch.backends.quantized.supported_engines if engines is None else engines
     if "fbgemm" not in available:
         return "this torch build has no fbgemm (x86) kernels"
+    if weight_format == "int4":
+        native = cpu_has_native_bf16() if bf16_native is None else bf16_native
+        if not native:
+            return "int4 computes in bf16, which this CPU emulates (no avx512_bf16): slow"
     return None
 
 
@@ -155,54 +257,71 @@ def pack_weights(
     ``probe`` maps weights to the logits of a fixed prompt; the packed weights
     are kept only when theirs stay within ``MAX_PROBE_LOGIT_ERROR`` of the
     loaded weights' (None: no check; benchmarks only). Otherwise, or when the
-    format cannot run on ``device``/``dtype``, ``weights`` come back unchanged
-    and one ``weights_not_packed`` line says why. ``float32`` returns
-    ``weights``; ``auto`` is ``resolve_weight_format``'s choice. The embedding
-    table stays as it is (a lookup reads T rows).
+    format cannot run on ``device``/``dtype`` or hold a matrix, one
+    ``weights_not_packed`` line says why and the next of ``candidate_formats``
+    is tried (``auto`` has several); after the last, ``weights`` come back
+    unchanged. ``float32`` returns ``weights``. The embedding table stays as it
+    is (a lookup reads T rows).
     """
-    weight_format = resolve_weight_format(weight_format, device, dtype)
-    if weight_format == "float32":
-        return weights
-    packed: ModelWeights | None = None
-    logit_error: float | None = None
-    reason = unsupported_reason(device, dtype)
-    if reason is None:
-        try:
-            packed, num_bytes = _pack_all(weights, _PACKERS[weight_format], include_lm_head)
-        except PackError as error:
-            reason = str(error)
-    if packed is not None and probe is not None:
-        exact = probe(weights)  # [tokens, vocab]
-        logit_error = float((probe(packed) - exact).norm() / exact.norm())
-        if not logit_error <= MAX_PROBE_LOGIT_ERROR:  # also catches NaN
-            reason = (
-                f"{weight_format} logits stray {logit_error:.2%} from the loaded weights' "
-                f"on a probe prompt (bound {MAX_PROBE_LOGIT_ERROR:.0%})"
-            )
-            packed = None
-    if packed is None:
+    candidates = candidate_formats(weight_format, device, dtype)
+    exact: torch.Tensor | None = None
+    for index, candidate in enumerate(candidates):
+        packed: ModelWeights | None = None
+        logit_error: float | None = None
+        reason = unsupported_reason(device, dtype, weight_format=candidate)
+        if reason is None:
+            try:
+                packed, num_bytes = _pack_all(weights, _PACKERS[candidate], include_lm_head)
+            except PackError as error:
+                reason = str(error)
+        if packed is not None and probe is not None:
+            exact = probe(weights) if exact is None else exact  # [tokens, vocab]
+            logit_error = float((probe(packed) - exact).norm() / exact.norm())
+            if not logit_error <= MAX_PROBE_LOGIT_ERROR:  # also catches NaN
+                reason = (
+                    f"{candidate} logits stray {logit_error:.2%} from the loaded weights' "
+                    f"on a probe prompt (bound {MAX_PROBE_LOGIT_ERROR:.0%})"
+                )
+                packed = None
+        if packed is not None:
+            _log.info(
+                "weights_packed", weight_format=candidate, lm_head=include_lm_head,
+                packed_mib=round(num_bytes / 2**20, 1),
+                probe_logit_error=None if logit_error is None else round(logit_error, 6),
+            )  # fmt: skip
+            return packed
+        loaded = f"the loaded {str(dtype).removeprefix('torch.')} tensors (exact path)"
         _log.warning(
-            "weights_not_packed", weight_format=weight_format, reason=reason,
-            using=f"the loaded {str(dtype).removeprefix('torch.')} tensors (exact path)",
+            "weights_not_packed", weight_format=candidate, reason=reason,
+            using=candidates[index + 1] if index + 1 < len(candidates) else loaded,
         )  # fmt: skip
-        return weights
-    _log.info(
-        "weights_packed", weight_format=weight_format, lm_head=include_lm_head,
-        packed_mib=round(num_bytes / 2**20, 1),
-        probe_logit_error=None if logit_error is None else round(logit_error, 6),
-    )  # fmt: skip
-    return packed
+    return weights
 
 
-def resolve_weight_format(weight_format: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``weight_format``, with ``auto`` made concrete: ``AUTO_CPU_FORMAT`` where
-    fbgemm runs (the CPU, float32), else ``float32`` (the loaded tensors)."""
+def candidate_formats(
+    weight_format: str, device: torch.device, dtype: torch.dtype
+) -> tuple[str, ...]:
+    """The packed formats to try for ``weight_format``, in order: none for
+    ``float32``, ``AUTO_CPU_FORMATS`` that run here for ``auto``, else itself."""
     if weight_format not in WEIGHT_FORMATS:
         choices = ", ".join(WEIGHT_FORMATS)
         raise ValueError(f"weight format {weight_format!r} is not one of {choices}")
+    if weight_format == "float32":
+        return ()
     if weight_format != "auto":
-        return weight_format
-    return AUTO_CPU_FORMAT if unsupported_reason(device, dtype) is None else "float32"
+        return (weight_format,)
+    return tuple(
+        candidate
+        for candidate in AUTO_CPU_FORMATS
+        if unsupported_reason(device, dtype, weight_format=candidate) is None
+    )
+
+
+def resolve_weight_format(weight_format: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The format ``weight_format`` packs first here: ``auto``'s first candidate that
+    runs on ``device``/``dtype`` (``float32``, the loaded tensors, where none does)."""
+    candidates = candidate_formats(weight_format, device, dtype)
+    return candidates[0] if candidates else "float32"
 
 
 def weight_format_of(weights: ModelWeights) -> str:
@@ -216,12 +335,12 @@ def weight_format_of(weights: ModelWeights) -> str:
 
 
 def _pack_all(
-    weights: ModelWeights, packer: type[Int8Linear] | type[Float16Linear], include_lm_head: bool
-) -> tuple[ModelWeights, int]:
+    weights: ModelWeights, packer: Packer, include_lm_head: bool
+) -> tuple[ModelWeights, float]:
     """Packed weights and their bytes; PackError names the first matrix the format cannot hold."""
-    num_bytes = 0
+    num_bytes = 0.0
 
-    def pack(name: str, weight: torch.Tensor | PackedLinear) -> PackedLinear:
+    def pack(name: str, weight: torch.Tensor | PackedLinear, is_head: bool = False) -> PackedLinear:
         nonlocal num_bytes
         assert isinstance(weight, torch.Tensor), f"{name} is packed already"
         if weight.dim() != 2 or 0 in weight.shape:
@@ -229,7 +348,11 @@ def _pack_all(
         if not bool(torch.isfinite(weight).all()):
             raise PackError(f"{name} holds non-finite values")
         try:
-            packed = packer.pack(weight)
+            # A tied LM head is the embedding, often kept finer than the layers.
+            if is_head and packer is Int4Linear:
+                packed: PackedLinear = Int4Linear.pack(weight, off_grid_ok=True)
+            else:
+                packed = packer.pack(weight)
         except PackError as error:
             raise PackError(f"{name} {error}") from None
         except RuntimeError as error:  # fbgemm refused the matrix
@@ -247,5 +370,5 @@ def _pack_all(
         )
         for i, layer in enumerate(weights.layers)
     ]
-    lm_head = pack("lm_head", weights.lm_head) if include_lm_head else weights.lm_head
+    lm_head = pack("lm_head", weights.lm_head, True) if include_lm_head else weights.lm_head
     return dataclasses.replace(weights, layers=layers, lm_head=lm_head), num_bytes

@@ -158,7 +158,7 @@ class SchedulerSettings:
 
 # The worker's --weights choices (gpu_worker/quantized_linear.py packs them);
 # "auto" is the fastest near-exact one the device runs (``resolve_weight_format``).
-WEIGHT_FORMATS = ("auto", "float32", "int8", "float16")
+WEIGHT_FORMATS = ("auto", "float32", "int8", "float16", "int4")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect
 
+from gpu_worker.device import cpu_has_native_bf16
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
 from tests.conftest import descendants, free_port
 from tests.test_up_metrics import METRICS_LINE, scrape_families
@@ -103,11 +104,13 @@ def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_an
     assert "Paris" in output.split("[cancelled]", 1)[1]
 
 
-def test_up_serves_the_cpu_default_weights_packed_as_float16(service):
+def test_up_serves_the_cpu_default_weights_packed(service):
     _, _, up = service
-    # Logged by the worker before it joined, so before "ready".
+    # Logged by the worker before it joined, so before "ready": the packaged
+    # model's layers are on Q4_1's grid, so int4 where the CPU computes bf16.
+    expected = "int4" if cpu_has_native_bf16() else "float16"
     packed = [line for line in up.output if "weights_packed" in line]
-    assert packed and "float16" in packed[0], packed
+    assert packed and f'"weight_format": "{expected}"' in packed[0], packed
 
 
 def test_up_prints_and_serves_the_actors_metrics(service):

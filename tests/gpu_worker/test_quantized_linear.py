@@ -1,6 +1,7 @@
-"""Packed weights (``--weights int8`` / ``float16``): each packed linear's error
-against fp32, the engine generating with them, and the fall back to the exact
-path, with one log line, wherever they cannot be used."""
+"""Packed weights (``--weights int8`` / ``float16`` / ``int4``): each packed
+linear's error against fp32, the engine generating with them, ``auto``'s
+order of formats, and the fall back to the next format or the exact path,
+with one log line each, wherever one cannot be used."""
 
 from __future__ import annotations
 
@@ -13,15 +14,22 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
+from gpu_worker import quantized_linear
 from gpu_worker.__main__ import parse_settings
+from gpu_worker.device import cpu_has_native_bf16
 from gpu_worker.engine import Engine, load_model, probe_logits
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import step_alone
 from gpu_worker.model_config import load_model_config
 from gpu_worker.quantized_linear import (
+    INT4_GROUP_SIZE,
+    INT4_MAX_ROWS,
     Float16Linear,
+    Int4Kernel,
+    Int4Linear,
     Int8Linear,
+    PackError,
     linear,
     pack_weights,
     resolve_weight_format,
@@ -53,6 +61,37 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fp32_model(tiny_dir: Path) -> LlamaModel:
     return load_model(tiny_dir, "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def grid_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with every projection on Q4_1's grid (the packaged model's
+    layers); the tied embedding stays off it (the packaged one is Q8_0)."""
+    target = tmp_path_factory.mktemp("grid") / "model"
+    shutil.copytree(tiny_dir, target)
+    path = target / "model.safetensors"
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight"):
+            tensors[name] = _on_a_4bit_grid(tensor)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture
+def bf16_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Say the CPU has avx512_bf16, so int4 runs here too (slower where it has not)."""
+    monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: True)
+
+
+def _on_a_4bit_grid(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] quantized as llama.cpp's Q4_1 and dequantized: per group of
+    32, ``q * scale + minimum`` with q in 0..15 and fp16 scale and minimum."""
+    groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP_SIZE)
+    minimum = groups.amin(dim=-1, keepdim=True).half().float()
+    scale = ((groups.amax(dim=-1, keepdim=True) - minimum) / 15).half().float()
+    levels = ((groups - minimum) / scale).round().clamp(0, 15)
+    return (levels * scale + minimum).reshape(weight.shape)
 
 
 def _generate(model: LlamaModel, sampling: SamplingParams) -> dict[str, list[int]]:
@@ -124,7 +163,14 @@ def test_the_packed_matrices_hold_fewer_bytes_than_fp32():
 def test_float16_weights_sample_the_same_tokens_as_fp32(tiny_dir, fp32_model, weight_format):
     with capture_logs() as logs:
         model = load_model(tiny_dir, "cpu", "float32", weight_format)
-    [entry] = _pack_logs(logs)
+    *skipped, entry = _pack_logs(logs)
+    if weight_format == "auto" and cpu_has_native_bf16():
+        # auto tries int4 first here; the tiny model's random weights are off its grid.
+        [int4] = skipped
+        assert int4["event"] == "weights_not_packed" and int4["weight_format"] == "int4"
+        assert "4-bit grid" in int4["reason"] and int4["using"] == "float16"
+    else:
+        assert not skipped
     assert entry["event"] == "weights_packed" and entry["weight_format"] == "float16"
     assert entry["probe_logit_error"] < 1e-3
     assert weight_format_of(model.weights) == "float16"
@@ -203,15 +249,16 @@ def test_a_matrix_the_format_cannot_hold_keeps_the_model_exact(
 
 def test_an_unknown_weight_format_is_refused(tiny_dir):
     weights = load_weights(tiny_dir, load_model_config(tiny_dir), CPU, torch.float32)
-    with pytest.raises(ValueError, match="int4"):
-        pack_weights(weights, "int4", CPU, torch.float32)
+    with pytest.raises(ValueError, match="int3"):
+        pack_weights(weights, "int3", CPU, torch.float32)
 
 
-def test_auto_is_float16_where_fbgemm_runs_and_the_loaded_tensors_elsewhere():
+def test_auto_is_float16_where_fbgemm_runs_and_the_loaded_tensors_elsewhere(monkeypatch):
+    monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: False)
     assert resolve_weight_format("auto", CPU, torch.float32) == "float16"
     assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
     assert resolve_weight_format("auto", CPU, torch.bfloat16) == "float32"
-    for chosen in ("float32", "int8", "float16"):
+    for chosen in ("float32", "int8", "float16", "int4"):
         assert resolve_weight_format(chosen, CPU, torch.float32) == chosen
     with pytest.raises(ValueError, match="'Auto' is not one of"):
         resolve_weight_format("Auto", CPU, torch.float32)
@@ -222,17 +269,130 @@ def test_the_worker_flag_sets_the_weight_format(monkeypatch, capsys):
     assert parse_settings([]).weight_format == "auto"
     assert parse_settings(["--weights", "int8"]).weight_format == "int8"
     assert parse_settings(["--weights=float16"]).weight_format == "float16"
+    assert parse_settings(["--weights=int4"]).weight_format == "int4"
     with pytest.raises(SystemExit):
-        parse_settings(["--weights", "int4"])
+        parse_settings(["--weights", "q4_1"])
     # $ORCAPOD_WEIGHTS stands in for the flag, which wins; a bad value is a usage error.
     monkeypatch.setenv("ORCAPOD_WEIGHTS", "float32")
     assert parse_settings([]).weight_format == "float32"
     assert parse_settings(["--weights=auto"]).weight_format == "auto"
     monkeypatch.setenv("ORCAPOD_WEIGHTS", "")
     assert parse_settings([]).weight_format == "auto"
-    for bad in ("int4", "FLOAT16", " float16", "nan"):
+    for bad in ("int4 ", "FLOAT16", " float16", "nan", "q4_1"):
         monkeypatch.setenv("ORCAPOD_WEIGHTS", bad)
         with pytest.raises(SystemExit) as exit_info:
             parse_settings([])
         assert exit_info.value.code == 2
         assert "$ORCAPOD_WEIGHTS" in capsys.readouterr().err
+
+
+# --- int4: weights on a 4-bit grid -------------------------------------------------------
+
+
+def test_auto_tries_int4_first_where_the_cpu_computes_bf16(bf16_native):
+    assert resolve_weight_format("auto", CPU, torch.float32) == "int4"
+    assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
+    assert unsupported_reason(CPU, torch.float32, weight_format="int4", bf16_native=True) is None
+    reason = unsupported_reason(CPU, torch.float32, weight_format="int4", bf16_native=False)
+    assert reason is not None and "avx512_bf16" in reason
+
+
+@pytest.mark.parametrize("rows", [1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 64), (576, 1536), (3072, 576)])
+def test_an_int4_linear_on_the_grid_is_within_bf16s_error_of_fp32(shape, rows):
+    # Both kernels: the 4-bit one for few rows, the bf16 copy for more.
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(out_features * 31 + in_features)
+    weight = _on_a_4bit_grid(torch.randn(out_features, in_features, generator=generator))
+    x = torch.randn(rows, in_features, generator=generator)
+    exact = F.linear(x, weight)
+    packed = linear(x, Int4Linear.pack(weight))
+    assert packed.shape == exact.shape and packed.dtype == torch.float32
+    assert float((packed - exact).norm() / exact.norm()) <= 0.01  # measured 0.2-0.4 %
+
+
+def test_int4_holds_the_grids_levels_exactly():
+    # With fp32 activations the 4-bit kernel gives back (level - 8) * scale + zero
+    # with the very levels of the matrix: only the scale and the zero are rounded
+    # (to bf16).
+    generator = torch.Generator().manual_seed(3)
+    levels = torch.randint(0, 16, (64, 3, INT4_GROUP_SIZE), generator=generator).float()
+    levels[..., 0], levels[..., 1] = 0, 15  # each group spans the grid
+    scale = (torch.rand(64, 3, 1, generator=generator) * 0.1 + 0.01).half().float()
+    minimum = torch.randn(64, 3, 1, generator=generator).half().float()
+    weight = (levels * scale + minimum).reshape(64, 96)
+    kernel = Int4Kernel.pack(weight)
+    unpacked = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        torch.eye(96), kernel.packed, INT4_GROUP_SIZE, kernel.scales_and_zeros.float()
+    ).T.reshape(64, 3, INT4_GROUP_SIZE)
+    rounded_scale = scale.bfloat16().float()
+    rounded_zero = (minimum + 8 * scale).bfloat16().float()
+    assert torch.allclose(unpacked, (levels - 8) * rounded_scale + rounded_zero, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("weight", "reason"),
+    [
+        (torch.randn(64, 64), "4-bit grid"),  # fp32 values: no 16 levels per group
+        (_on_a_4bit_grid(torch.randn(16, 64))[:, :48], "not a multiple of 32"),
+        (_on_a_4bit_grid(torch.randn(24, 64)), "24 rows, not a multiple of 16"),
+        # Constant groups at fp32's largest value: on the grid, but bf16 rounds it to inf.
+        (torch.full((16, 32), torch.finfo(torch.float32).max), "bf16's range"),
+        (torch.tensor([[-3e38] * 16 + [3e38] * 16] * 16), "4-bit grid"),  # the span overflows
+    ],
+)
+def test_a_matrix_off_the_grid_is_refused_by_int4(weight, reason):
+    with pytest.raises(PackError, match=reason):
+        Int4Kernel.pack(weight)
+    with pytest.raises(PackError, match=reason):
+        Int4Linear.pack(weight)
+
+
+def test_a_constant_group_is_on_the_grid():
+    weight = torch.zeros(16, 64)
+    weight[1] = -0.5
+    x = torch.randn(2, 64)
+    assert torch.allclose(linear(x, Int4Linear.pack(weight)), F.linear(x, weight), rtol=0.01)
+
+
+def test_a_tied_head_off_the_grid_keeps_float16_for_few_rows(grid_dir, bf16_native):
+    with capture_logs() as logs:
+        model = load_model(grid_dir, "cpu", "float32", "int4")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_packed" and entry["weight_format"] == "int4"
+    assert weight_format_of(model.weights) == "int4"
+    layer = model.weights.layers[0]
+    assert isinstance(layer.qkv_proj, Int4Linear)
+    assert isinstance(layer.qkv_proj.few_rows, Int4Kernel)
+    head = model.weights.lm_head
+    assert isinstance(head, Int4Linear) and isinstance(head.few_rows, Float16Linear)
+
+
+def test_int4_weights_generate_what_fp32_does_with_the_same_weights(grid_dir, bf16_native):
+    fp32 = load_model(grid_dir, "cpu", "float32")
+    with capture_logs() as logs:
+        model = load_model(grid_dir, "cpu", "float32", "int4")
+    [entry] = _pack_logs(logs)
+    assert entry["probe_logit_error"] < 0.01
+    # Three requests in one batch: prefill takes the bf16 copy, decode the 4-bit kernel.
+    assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
+
+
+def test_auto_falls_back_to_float16_where_a_layer_is_off_the_grid(grid_dir, tmp_path, bf16_native):
+    odd_dir = _with_weight(grid_dir, tmp_path / "odd", "model.layers.1.mlp.down_proj.weight", 0.123)
+    with capture_logs() as logs:
+        model = load_model(odd_dir, "cpu", "float32", "auto")
+    int4, float16 = _pack_logs(logs)
+    assert int4["event"] == "weights_not_packed" and int4["weight_format"] == "int4"
+    assert int4["reason"].startswith("layers.1.down_proj") and int4["using"] == "float16"
+    assert float16["event"] == "weights_packed" and float16["weight_format"] == "float16"
+    assert weight_format_of(model.weights) == "float16"
+
+
+def test_int4_asked_for_where_it_cannot_run_keeps_the_model_exact(grid_dir, monkeypatch):
+    monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: False)
+    with capture_logs() as logs:
+        model = load_model(grid_dir, "cpu", "float32", "int4")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_not_packed" and "avx512_bf16" in entry["reason"]
+    assert "exact path" in entry["using"] and weight_format_of(model.weights) == "float32"
