@@ -53,7 +53,7 @@ from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.weights import random_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
-from shared.settings import model_location
+from shared.settings import WEIGHT_FORMATS, model_location
 
 BLOCK_SIZE = 16
 FILL_GROUP = 8  # requests per prefill step while filling the decode batch
@@ -109,7 +109,7 @@ def load_models(args: argparse.Namespace, dtype_name: str) -> tuple[LlamaModel, 
         return random_models(tiny_config(4, 64, 4, 2), dtype)
     model_dir = model_location(model_dir=args.model).model_dir
     theirs = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return load_model(model_dir, "cpu", dtype_name), theirs.eval()
+    return load_model(model_dir, "cpu", dtype_name, args.weights), theirs.eval()
 
 
 def median_s(
@@ -379,6 +379,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="model directory (default: the prepared SmolLM2)")
     parser.add_argument("--dtype", help="comma list; default float32 (+bfloat16 if native)")
     parser.add_argument("--backends", default=",".join(BACKEND_NAMES))
+    parser.add_argument(
+        "--weights", choices=WEIGHT_FORMATS, default="float32",
+        help="ours packed so (the worker's --weights; float32: exact, as transformers)",
+    )  # fmt: skip
     parser.add_argument("--batches", help="decode batch sizes (default 1,8,32,64; quick 1,8)")
     parser.add_argument("--context", type=int, help="decode context (default 256; quick 32)")
     parser.add_argument("--steps", type=int, help="timed decode steps (default 5; quick 2)")

@@ -147,9 +147,11 @@ def llama_server(
     log_path: Path,
     alias: str | None = None,
     ready_timeout_s: float = 120.0,
+    model: Path | None = None,
 ) -> Iterator[str]:
-    """llama.cpp's server (the build in ``cache_dir``) on the packaged GGUF on a free
-    loopback port, ``slots`` parallel slots sharing ``context_tokens``; yields its URL."""
+    """llama.cpp's server (the build in ``cache_dir``) on ``model`` (default: the
+    packaged GGUF) on a free loopback port, ``slots`` parallel slots sharing
+    ``context_tokens``; yields its URL."""
     from orcapod.embedded_redis import free_loopback_port
 
     server = binaries(cache_dir)["llama-server"]
@@ -157,7 +159,8 @@ def llama_server(
         raise SystemExit(f"{server} is missing: python bench/llama_cpp.py --build-only")
     port = free_loopback_port()
     argv = [
-        str(server), "-m", str(packaged_gguf()), "--host", "127.0.0.1", "--port", str(port),
+        str(server), "-m", str(model or packaged_gguf()),
+        "--host", "127.0.0.1", "--port", str(port),
         "-t", str(threads), "-np", str(slots), "-c", str(context_tokens), "--no-webui",
         *(("-a", alias) if alias else ()),
         *(() if repacking_runs(cache_dir) else ("--no-repack",)),

@@ -38,8 +38,9 @@ def choose_dtype(device: torch.device, requested: str | None = None) -> torch.dt
 
     fp32 on every CPU, bf16 units or not: there ``--weights auto`` packs the
     matrices (int4 with bf16 arithmetic where the units exist, else fp16),
-    and a whole bf16 model decoded 10x slower than that on an avx512_bf16
-    Xeon (docs/benchmarks.md, *Issue 14, fourth step*).
+    and a single chat's decode step took twice as long with a whole bf16
+    model on an avx512_bf16 Xeon (40 against 20 ms; docs/benchmarks.md,
+    *Issue 14, fourth step*).
     """
     if requested:
         if requested not in DTYPES:

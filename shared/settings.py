@@ -157,7 +157,7 @@ class SchedulerSettings:
 
 
 # The worker's --weights choices (gpu_worker/quantized_linear.py packs them);
-# "auto" is the fastest near-exact one the device runs (``resolve_weight_format``).
+# "auto" tries the fastest one the device runs first (``candidate_formats``).
 WEIGHT_FORMATS = ("auto", "float32", "int8", "float16", "int4")
 
 

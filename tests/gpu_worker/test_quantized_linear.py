@@ -67,21 +67,26 @@ def fp32_model(tiny_dir: Path) -> LlamaModel:
 def grid_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with every projection on Q4_1's grid (the packaged model's
     layers); the tied embedding stays off it (the packaged one is Q8_0)."""
-    target = tmp_path_factory.mktemp("grid") / "model"
-    shutil.copytree(tiny_dir, target)
-    path = target / "model.safetensors"
-    tensors = load_file(path)
-    for name, tensor in tensors.items():
-        if name.endswith("proj.weight"):
-            tensors[name] = _on_a_4bit_grid(tensor)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return target
+    return _snapped_copy(tiny_dir, tmp_path_factory.mktemp("grid") / "model")
 
 
 @pytest.fixture
 def bf16_native(monkeypatch: pytest.MonkeyPatch) -> None:
     """Say the CPU has avx512_bf16, so int4 runs here too (slower where it has not)."""
     monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: True)
+
+
+def _snapped_copy(model_dir: Path, target: Path) -> Path:
+    """A copy of ``model_dir`` with every projection whose columns come in groups of
+    32 put on Q4_1's grid."""
+    shutil.copytree(model_dir, target)
+    path = target / "model.safetensors"
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight") and tensor.shape[1] % INT4_GROUP_SIZE == 0:
+            tensors[name] = _on_a_4bit_grid(tensor)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return target
 
 
 def _on_a_4bit_grid(weight: torch.Tensor) -> torch.Tensor:
@@ -396,3 +401,21 @@ def test_int4_asked_for_where_it_cannot_run_keeps_the_model_exact(grid_dir, monk
     [entry] = _pack_logs(logs)
     assert entry["event"] == "weights_not_packed" and "avx512_bf16" in entry["reason"]
     assert "exact path" in entry["using"] and weight_format_of(model.weights) == "float32"
+
+
+def test_int4_on_odd_shapes_falls_back_to_the_next_format(tmp_path, bf16_native):
+    # An MLP of 100: gate/up have 200 rows (not a multiple of the kernel's 16),
+    # down 100 columns (not a multiple of 32): those stay off the grid.
+    odd = write_tiny_model(tmp_path / "odd", "llama", intermediate_size=100)
+    odd_dir = _snapped_copy(odd, tmp_path / "odd-grid")
+    with capture_logs() as logs:
+        model = load_model(odd_dir, "cpu", "float32", "auto")
+    int4, float16 = _pack_logs(logs)
+    assert int4["event"] == "weights_not_packed" and int4["using"] == "float16"
+    assert int4["reason"] == "layers.0.gate_up_proj has 200 rows, not a multiple of 16"
+    assert float16["event"] == "weights_packed" and weight_format_of(model.weights) == "float16"
+    with capture_logs() as logs:
+        model = load_model(odd_dir, "cpu", "float32", "int4")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_not_packed" and "exact path" in entry["using"]
+    assert weight_format_of(model.weights) == "float32"
