@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -51,6 +52,27 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports, below the kernel's
+    ephemeral range: there no outgoing connection of the service being started
+    can take one as its source port before it listens (``orcapod up --port P``
+    gives gateway i port P + i; an ephemeral P + 1 was once taken so)."""
+    low, _ = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random()
+    while True:
+        first = rng.randrange(max(1024, low - 12_000), low - count)
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from websockets.asyncio.client import connect
 
 from gpu_worker.device import cpu_has_native_bf16
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
-from tests.conftest import descendants, free_port
+from tests.conftest import descendants, free_port_run
 from tests.test_up_metrics import METRICS_LINE, scrape_families
 from tests.up_process import REPO, UpProcess
 
@@ -25,9 +25,7 @@ from tests.up_process import REPO, UpProcess
 @pytest.fixture(scope="module")
 def service(prepared_model_dir):
     """One `orcapod up` for the module; its last test stops it."""
-    port = free_port()
-    while free_port() == port + 1:
-        pass
+    port = free_port_run(2)
     # What a user runs: no REDIS_URL, and the default weights (not the suite's pin).
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "ORCAPOD_WEIGHTS")}
     up = UpProcess(
@@ -135,12 +133,13 @@ def test_up_prints_and_serves_the_actors_metrics(service):
 
 # Last: it stops the module's service.
 def test_up_serves_on_every_gateway_and_stops_cleanly(service):
-    process, port, _ = service
+    process, port, up = service
     # Each actor is its own process, named by its command line.
     commands = [cmd for _, cmd in descendants(process.pid)]
+    restarts = [line for line in up.drain() if any(w in line for w in ("exit", "restart", "Error"))]
     for role in ("redis-server", "-m scheduler_actor", "-m gpu_worker", "-m gateway"):
-        assert any(role in cmd for cmd in commands), (role, commands)
-    assert sum("-m gateway" in cmd for cmd in commands) == 2
+        assert any(role in cmd for cmd in commands), (role, commands, restarts)
+    assert sum("-m gateway" in cmd for cmd in commands) == 2, (commands, restarts)
     # The embedded Redis password never shows on a command line.
     assert not any("requirepass" in cmd or "@127.0.0.1" in cmd for cmd in commands)
 

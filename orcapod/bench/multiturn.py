@@ -71,6 +71,18 @@ class Endpoint:
         return self.base_url.rstrip("/").removesuffix("/v1") + "/v1"
 
 
+async def served_model(session: aiohttp.ClientSession, endpoint: Endpoint) -> str:
+    """The first model ``GET /v1/models`` lists (what requests name in ``model``)."""
+    try:
+        async with session.get(f"{endpoint.api_url}/models") as response:
+            if response.status != 200:
+                body = (await response.text())[:200]
+                raise LoadError(f"GET {response.url}: {response.status} {body}")
+            return str((await response.json())["data"][0]["id"])
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise LoadError(f"cannot reach {endpoint.api_url}: {error}") from error
+
+
 @dataclass(frozen=True)
 class MultiturnResult:
     """Every turn's record and the run's wall time (first send to last answer)."""
@@ -103,7 +115,7 @@ class MultiturnDriver:
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, headers=headers
         ) as session:
-            self._model = await self._served_model(session)
+            self._model = await served_model(session, self.endpoint)
             warm_up = Conversation(-1, (WARM_UP_MESSAGE,))
             record, _ = await self._turn(session, warm_up, [], max_tokens=4)
             if not record.completed:
@@ -120,16 +132,6 @@ class MultiturnDriver:
         wall_s = max(ends, default=started_s) - started_s
         records = sorted(self._records, key=lambda r: (r.conversation, r.turn))
         return MultiturnResult(self._model, records, wall_s)
-
-    async def _served_model(self, session: aiohttp.ClientSession) -> str:
-        try:
-            async with session.get(f"{self.endpoint.api_url}/models") as response:
-                if response.status != 200:
-                    body = (await response.text())[:200]
-                    raise LoadError(f"GET {response.url}: {response.status} {body}")
-                return str((await response.json())["data"][0]["id"])
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise LoadError(f"cannot reach {self.endpoint.api_url}: {error}") from error
 
     async def _converse(
         self, session: aiohttp.ClientSession, conversation: Conversation, bar: tqdm

@@ -22,7 +22,7 @@ import aiohttp
 from tqdm import tqdm
 
 from orcapod.bench.loadgen import LoadError
-from orcapod.bench.multiturn import Endpoint, check_http_loopback
+from orcapod.bench.multiturn import Endpoint, check_http_loopback, served_model
 from orcapod.bench.traces import TraceRequest
 from shared.settings import auth_headers
 
@@ -89,7 +89,7 @@ async def replay(
     async with aiohttp.ClientSession(
         connector=connector, timeout=timeout, headers=auth_headers(endpoint.api_key)
     ) as session:
-        model = await _served_model(session, endpoint)
+        model = await served_model(session, endpoint)
         warm_up = TraceRequest(-1, 0.0, 2, True, "warm-up", prompt_token_ids=(1_000, 1_001))
         record = await _complete(session, endpoint, model, warm_up, time.monotonic())
         if not record.completed:
@@ -107,16 +107,6 @@ async def replay(
                 for request in trace:
                     tasks.create_task(one(request))
     return model, sorted(records, key=lambda record: record.index)
-
-
-async def _served_model(session: aiohttp.ClientSession, endpoint: Endpoint) -> str:
-    try:
-        async with session.get(f"{endpoint.api_url}/models") as response:
-            if response.status != 200:
-                raise LoadError(f"GET {response.url}: {response.status}")
-            return str((await response.json())["data"][0]["id"])
-    except (aiohttp.ClientError, TimeoutError) as error:
-        raise LoadError(f"cannot reach {endpoint.api_url}: {error}") from error
 
 
 async def _complete(
