@@ -69,7 +69,9 @@ def _group(
         for index, sequence in enumerate(layout)
     )
     table = layout[0].block_table
-    consecutive = len(layout) == 1 and table == list(range(table[0], table[0] + len(table)))
+    consecutive = (
+        len(layout) == 1 and bool(table) and table == list(range(table[0], table[0] + len(table)))
+    )
     return _Group(
         query_rows=query_rows.to(device),
         valid=valid.to(device),

@@ -1,9 +1,9 @@
-"""Weight matrices packed once at load into fewer bytes per token (CPU, fbgemm).
+"""Weight matrices packed once at load into fewer bytes per token (CPU).
 
 The forward pass calls ``linear(x, weight)`` for every projection and the LM
 head; ``weight`` is either a plain tensor (``F.linear``: the exact path) or a
-matrix packed for one of fbgemm's x86 kernels, which ship in every x86 torch
-wheel:
+matrix packed for one of the x86 kernels that ship in every x86 torch wheel
+(fbgemm's, and torch's own 4-bit one):
 
 - ``int8``: weights quantized symmetrically per output channel
   (``scale = max|w| / 127``); each call quantizes its activations with one
@@ -25,11 +25,12 @@ wheel:
   gets fp16 for few rows and the bf16 copy for more.
 
 ``pack_weights`` turns loaded fp32 ``ModelWeights`` into packed ones, or
-hands them back unchanged with one log line saying why it cannot: not the
-CPU, not fp32, no fbgemm, a matrix the format cannot hold, or logits of a
-probe prompt that stray from the loaded weights' (int8's do, on SmolLM2).
-Why these kernels and not others, and what they cost in agreement:
-docs/benchmarks.md, *Issue 14, second step*.
+hands them back unchanged with one log line per format tried saying why it
+cannot: not the CPU, not fp32, no fbgemm, no bf16 units (int4), a matrix the
+format cannot hold, or logits of a probe prompt that stray from the loaded
+weights' (int8's do, on SmolLM2). Why these kernels and not others, and what
+they cost in agreement: docs/benchmarks.md, *Issue 14, second step* (AVX2)
+and *fourth step* (AVX-512 with BF16).
 """
 
 from __future__ import annotations
