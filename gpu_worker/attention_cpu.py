@@ -141,8 +141,6 @@ class CpuAttention:
     ) -> torch.Tensor:
         """Attention of every request over its own cached plus new K/V."""
         assert isinstance(prepared, list)
-        if len(prepared) == 1 and prepared[0].row_slice == (0, len(queries)):
-            return self._attend_group(queries.unsqueeze(2), keys, values, prepared[0], 0)[:, :, 0]
         output = torch.empty_like(queries)  # [T, heads, head_dim]
         for index, group in enumerate(prepared):
             if group.row_slice is not None:

@@ -349,7 +349,7 @@ def _pack_all(
         if not bool(torch.isfinite(weight).all()):
             raise PackError(f"{name} holds non-finite values")
         try:
-            # A tied LM head is the embedding, often kept finer than the layers.
+            # The LM head (often the tied embedding) is often kept finer than the layers.
             if is_head and packer is Int4Linear:
                 packed: PackedLinear = Int4Linear.pack(weight, off_grid_ok=True)
             else:
