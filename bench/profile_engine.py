@@ -214,8 +214,9 @@ class Scenarios:
             engine._requests[request_id] = request
             cache.tables.extend(request_id, cache.tables.unreferenced()[:num_blocks])
             slots = torch.tensor(cache.slot_ids(request_id, 0, cached))
-            cache.keys[:, slots] = cache.keys[:, source_slots]
-            cache.values[:, slots] = cache.values[:, source_slots]
+            for layer_keys, layer_values in zip(cache.keys, cache.values, strict=True):
+                layer_keys[slots] = layer_keys[source_slots]
+                layer_values[slots] = layer_values[source_slots]
 
     def rewind(self, request_ids: list[str]) -> None:
         # Each timed decode rewrites position context - 1 and attends context keys.

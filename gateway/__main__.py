@@ -25,6 +25,7 @@ from shared.settings import (
     GatewaySettings,
     add_redis_arguments,
     default_instance_id,
+    env_bool,
     flag_environment_default,
     model_location,
     redis_settings,
@@ -108,7 +109,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
     parser.add_argument(
         "--open",
         action="store_true",
-        default=env("open", DEFAULTS.open, _is_true),
+        default=env("open", DEFAULTS.open, env_bool),
         help="serve clients without a key as the open tenant, even beyond loopback or "
         "with keys configured ($ORCAPOD_OPEN)",
     )
@@ -149,10 +150,6 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             args.allowed_origins or env("allowed_origins", DEFAULTS.allowed_origins, _origins)
         ),
     )
-
-
-def _is_true(value: str) -> bool:
-    return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _origins(value: str) -> tuple[str, ...]:

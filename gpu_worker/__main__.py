@@ -18,6 +18,7 @@ from shared.settings import (
     WorkerSettings,
     add_redis_arguments,
     default_instance_id,
+    env_bool,
     flag_environment_default,
     int_flag,
     model_location,
@@ -65,6 +66,15 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         help="replay captured CUDA graphs for decode-only steps (CUDA only; ignored on the CPU)",
     )
     parser.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=flag_environment_default("compile_decode", DEFAULTS["compile_decode"], env_bool),
+        help="on the CPU, run a lone request's decode steps through one graph compiled at "
+        "start (torch.compile; tens of seconds the first time, cached in "
+        "$TORCHINDUCTOR_CACHE_DIR, default the cache dir's inductor/; where it cannot, "
+        "the eager forward, with a log line) ($ORCAPOD_COMPILE_DECODE: 1 or 0)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=DEFAULTS["metrics_port"],
@@ -97,6 +107,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         max_inflight=args.max_inflight,
         heartbeat_s=args.heartbeat_s,
         cuda_graphs=args.cuda_graphs,
+        compile_decode=args.compile_decode,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         engine_process=not args.engine_thread,

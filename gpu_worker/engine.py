@@ -21,7 +21,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -33,6 +32,7 @@ from gpu_worker.attention import (
     make_backend,
 )
 from gpu_worker.block_tables import blocks_for
+from gpu_worker.compiled_decode import DecodeRunner, compiled_decode_or_none
 from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
@@ -49,9 +49,6 @@ from shared.messages import (
     StepOutput,
     StepPlan,
 )
-
-if TYPE_CHECKING:  # imported lazily at run time: it needs triton, the CPU path must not
-    from gpu_worker.cuda_graphs import DecodeGraphRunner
 
 # A decode (or the next prompt chunk) may be planned for a request whose last
 # token or failure is still on its way to the scheduler (overlap); remember
@@ -153,9 +150,12 @@ class Engine:
         attention_backend: str | None = None,
         worker_id: str = "local",
         use_cuda_graphs: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         """``use_cuda_graphs`` replays captured graphs for decode-only steps; it takes
-        effect on CUDA only (needs the ``triton`` backend) and is ignored on the CPU."""
+        effect on CUDA only (needs the ``triton`` backend) and is ignored on the CPU.
+        ``compile_decode`` runs a lone request's decode steps through one compiled
+        graph on the CPU (``compiled_decode.py``; where it cannot, a log line says why)."""
         budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
@@ -166,11 +166,15 @@ class Engine:
         self.backend: AttentionBackend = make_backend(
             attention_backend or default_backend_name(model.device), model.dtype
         )
-        self._decode_graphs: DecodeGraphRunner | None = None
+        self._decode_runner: DecodeRunner | None = None
+        self.uses_cuda_graphs = False
         if use_cuda_graphs and model.device.type == "cuda":
             from gpu_worker.cuda_graphs import DecodeGraphRunner
 
-            self._decode_graphs = DecodeGraphRunner(model, self.kv_cache, self.backend)
+            self._decode_runner = DecodeGraphRunner(model, self.kv_cache, self.backend)
+            self.uses_cuda_graphs = True
+        elif compile_decode and model.device.type == "cpu":
+            self._decode_runner = compiled_decode_or_none(model, self.kv_cache)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._recently_ended: OrderedDict[str, None] = OrderedDict()
@@ -178,9 +182,9 @@ class Engine:
         self._num_embeddings = int(model.weights.embed_tokens.shape[0])
 
     @property
-    def uses_cuda_graphs(self) -> bool:
-        """Whether decode-only steps replay CUDA graphs."""
-        return self._decode_graphs is not None
+    def compiles_decode(self) -> bool:
+        """Whether a lone request's decode steps run through a compiled graph."""
+        return self._decode_runner is not None and not self.uses_cuda_graphs
 
     @property
     def num_blocks(self) -> int:
@@ -431,14 +435,14 @@ class Engine:
             if work.samples:
                 logits_rows.append(len(token_ids) - 1)
         device = self.model.device
-        graphs = self._decode_graphs
+        runner = self._decode_runner
         # A graph computes logits for every row, so every row must be one sampling token.
         if (
-            graphs is not None
+            runner is not None
             and all(work.samples and len(work.token_ids) == 1 for work in works)
-            and graphs.fits(layout)
+            and runner.fits(layout)
         ):
-            logits = graphs.run(token_ids, positions, slots, layout)
+            logits = runner.run(token_ids, positions, slots, layout)
         else:
             logits = self.model.forward(
                 token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),

@@ -148,6 +148,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
     from gpu_worker.engine import Engine, load_model
     from gpu_worker.kv_cache import KVCacheBudget
 
+    # Compiled graphs kept beside the prepared models, so a restart reuses them.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.model.cache_dir / "inductor"))
     model = load_model(
         settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
     )
@@ -162,6 +164,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
         settings.attention_backend,
         worker_id=settings.worker_id,
         use_cuda_graphs=settings.cuda_graphs,
+        compile_decode=settings.compile_decode,
     )
 
 

@@ -72,9 +72,12 @@ class PagedKVCache:
         self.tables = BlockTables(num_blocks, block_size)
         self.block_size = block_size
         num_slots = num_blocks * block_size
-        shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, slots, kv_heads, head_dim]
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (num_slots, config.num_kv_heads, config.head_dim)
+        # A tensor per layer, not views of one: a compiled graph that writes a
+        # view of one tensor rewrites all of it (compiled_decode.py).
+        layers = range(config.num_layers)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
 
     @property
     def num_blocks(self) -> int:

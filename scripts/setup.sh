@@ -27,6 +27,18 @@ if ! command -v redis-server >/dev/null 2>&1; then
     fi
 fi
 
+# A C++ compiler, for the worker's compiled decode on the CPU (torch.compile's
+# inductor; without one the worker runs its eager forward and says so).
+if ! command -v g++ >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        { apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } \
+            || echo "note: could not install g++; decode steps will run uncompiled" >&2
+    else
+        echo "note: g++ is not installed; decode steps will run uncompiled" \
+            "(Debian: sudo apt-get install g++)" >&2
+    fi
+fi
+
 # Debian's chromium, for the browser tests (tests/browser skips without it).
 if [ ! -x /usr/bin/chromium ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -185,6 +185,9 @@ class WorkerSettings:
     max_inflight: int = 3
     heartbeat_s: float = 1.0
     cuda_graphs: bool = False
+    # A lone request's decode steps through one graph compiled by torch.compile
+    # on the CPU (gpu_worker/compiled_decode.py): compiled once at start.
+    compile_decode: bool = True
     # The engine in a process of its own (its own GIL), or on a thread of the
     # worker's (gpu_worker/engine_host.py).
     engine_process: bool = True
@@ -240,6 +243,11 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 def default_instance_id(role: str) -> str:
     """A name for an actor instance: role, host and pid (unique on one Redis)."""
     return f"{role}-{os.uname().nodename}-{os.getpid()}"
+
+
+def env_bool(value: str) -> bool:
+    """A boolean from the environment: 1, true, yes or on (any case) are true."""
+    return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
 def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:

@@ -21,6 +21,9 @@ import pytest
 # is served by tests/test_up.py's service and tested in
 # tests/gpu_worker/test_quantized_linear.py.
 os.environ.setdefault("ORCAPOD_WEIGHTS", "float32")
+# ... and the eager forward: compiling a decode graph takes tens of seconds a
+# start. tests/gpu_worker/test_compiled_decode.py compiles tiny models' graphs.
+os.environ.setdefault("ORCAPOD_COMPILE_DECODE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -110,8 +110,9 @@ def test_static_buffer_decode_matches_the_eager_step(model, pointwise):
     cache = PagedKVCache(model.config, num_blocks, block_size, CPU, model.dtype)
     # Random cached K/V, as if earlier steps had run.
     generator = torch.Generator().manual_seed(0)
-    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
-    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+    for layer_keys, layer_values in zip(cache.keys, cache.values, strict=True):
+        layer_keys.copy_(torch.randn(layer_keys.shape, generator=generator))
+        layer_values.copy_(torch.randn(layer_values.shape, generator=generator))
     runner = DecodeGraphRunner(model, cache, backend, buckets=(2, 8), capture_graphs=False)
     free_blocks = list(range(num_blocks))
     rng.shuffle(free_blocks)
@@ -125,9 +126,10 @@ def test_static_buffer_decode_matches_the_eager_step(model, pointwise):
             positions.append(num_cached)
             slots.append(table[num_cached // block_size] * block_size + num_cached % block_size)
         assert runner.fits(layout)
-        before_keys = cache.keys.clone()
+        before_keys = torch.stack(cache.keys)
         logits = runner.run(token_ids, positions, slots, layout).clone()
-        written = (cache.keys != before_keys).any(-1).any(-1).any(0).nonzero().flatten()
+        changed = torch.stack(cache.keys) != before_keys  # [layers, slots, kv_heads, head_dim]
+        written = changed.any(-1).any(-1).any(0).nonzero().flatten()
         assert sorted(written.tolist()) == sorted(slots), "padding rows must not write K/V"
         expected = model.forward(
             token_ids=torch.tensor(token_ids),

@@ -1,0 +1,254 @@
+"""A lone request's decode through one compiled graph on the CPU (gpu_worker/compiled_decode.py).
+
+One real compile of a tiny model (module fixture, about ten seconds) checks
+the graph against the eager engine token for token, through shuffled blocks;
+the attention it traces is checked against the CPU backend without a
+compile; the ways it is refused fall back to the eager forward.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from gpu_worker import compiled_decode
+from gpu_worker.__main__ import parse_settings
+from gpu_worker.attention import SequenceLayout
+from gpu_worker.attention_cpu import CpuAttention
+from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, LoneDecodeAttention
+from gpu_worker.engine import Engine, load_model
+from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
+from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+GREEDY = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+    return load_model(model_dir, device="cpu", dtype="float32")
+
+
+def _engine(model, compile_decode: bool) -> Engine:
+    budget = KVCacheBudget(num_bytes=NUM_BLOCKS * _block_bytes(model), block_size=BLOCK_SIZE)
+    return Engine(model, budget, "cpu", compile_decode=compile_decode)
+
+
+def _block_bytes(model) -> int:
+    config = model.config
+    return 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(model):
+    engine = _engine(model, compile_decode=True)
+    assert engine.compiles_decode
+    return engine
+
+
+def _counting_runs(monkeypatch, engine: Engine) -> list[int]:
+    """Batch sizes of the steps the compiled runner takes."""
+    runner = engine._decode_runner
+    assert isinstance(runner, CompiledDecode)
+    calls: list[int] = []
+    real_run = runner.run
+
+    def run(token_ids, positions, slots, layout):
+        calls.append(len(layout))
+        return real_run(token_ids, positions, slots, layout)
+
+    monkeypatch.setattr(runner, "run", run)
+    return calls
+
+
+def _start(engine: Engine, request_id: str, prompt: list[int], blocks: list[int]) -> int:
+    output = engine.step(
+        StepPlan(
+            "g", 0, 0,
+            new_requests=[RequestSpec(request_id, len(prompt), GREEDY)],
+            prefill_chunks=[PrefillChunk(request_id, prompt, 0)],
+            block_grants={request_id: blocks},
+        )
+    )  # fmt: skip
+    (token,) = output.tokens
+    return token.token_id
+
+
+def _decode(engine: Engine, request_ids: list[str]) -> dict[str, int]:
+    output = engine.step(StepPlan("g", 0, 0, decode_request_ids=request_ids))
+    return {token.request_id: token.token_id for token in output.tokens}
+
+
+def _release(engine: Engine, request_ids: list[str]) -> None:
+    engine.step(StepPlan("g", 0, 0, released_request_ids=request_ids))
+
+
+def test_a_lone_decode_through_shuffled_blocks_matches_the_eager_engine(
+    model, compiled_engine, monkeypatch
+):
+    """40 tokens over 12 blocks in no order (the graph's one dynamic size grows from
+    its minimum), the same tokens as the eager forward's, every step through the graph."""
+    eager_engine = _engine(model, compile_decode=False)
+    calls = _counting_runs(monkeypatch, compiled_engine)
+    blocks = random.Random(3).sample(range(NUM_BLOCKS), 12)
+    prompt = [5, 17, 33]
+    outputs = []
+    for engine in (compiled_engine, eager_engine):
+        tokens = [_start(engine, "lone", prompt, blocks)]
+        for _ in range(40):
+            tokens.append(_decode(engine, ["lone"])["lone"])
+        _release(engine, ["lone"])
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    assert calls == [1] * 40
+
+
+def test_a_batch_runs_eagerly_and_its_survivor_through_the_graph(
+    model, compiled_engine, monkeypatch
+):
+    """Two requests decoding together are no lone decode: the eager forward runs
+    them; once one leaves, the other's steps go through the graph, its K/V intact."""
+    eager_engine = _engine(model, compile_decode=False)
+    calls = _counting_runs(monkeypatch, compiled_engine)
+    outputs = []
+    for engine in (compiled_engine, eager_engine):
+        tokens = {
+            "a": [_start(engine, "a", [7, 8, 9, 10, 11], [3, 40, 12, 22])],
+            "b": [_start(engine, "b", [20, 21], [50, 1, 9])],
+        }
+        for _ in range(5):
+            for request_id, token in _decode(engine, ["a", "b"]).items():
+                tokens[request_id].append(token)
+        _release(engine, ["b"])
+        for _ in range(3):
+            tokens["a"].append(_decode(engine, ["a"])["a"])
+        _release(engine, ["a"])
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    assert calls == [1, 1, 1]
+
+
+def test_the_traced_attention_matches_the_cpu_backend():
+    """LoneDecodeAttention (what the graph runs) against CpuAttention, without a compile:
+    random pools, block tables in any order, one block (padded to MIN_BLOCKS) to many,
+    every offset within the last block."""
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, num_blocks = 4, 2, 8, 32
+    keys = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)
+    values = torch.randn(keys.shape, generator=generator)
+    lone, cpu = LoneDecodeAttention(BLOCK_SIZE), CpuAttention()
+    device = torch.device("cpu")
+    for num_cached in [0, 1, 3, 4, 5, 7, 8, 30, 63]:
+        table = rng.sample(range(num_blocks), num_cached // BLOCK_SIZE + 1)
+        layout = [SequenceLayout(0, 1, num_cached, table)]
+        query = torch.randn(1, num_heads, head_dim, generator=generator)
+        plan = lone.prepare(layout, BLOCK_SIZE, device)
+        assert len(plan.block_ids) >= MIN_BLOCKS
+        expected = cpu.attend(query, keys, values, cpu.prepare(layout, BLOCK_SIZE, device))
+        actual = lone.attend(query, keys, values, plan)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_kv_writer_writes_only_the_new_slot():
+    keys = torch.zeros(8, 2, 4)
+    values = torch.zeros(8, 2, 4)
+    key, value = torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0)
+    LoneDecodeAttention(BLOCK_SIZE).write_kv(keys, values, torch.tensor([5]), key, value)
+    assert keys[5].eq(1).all() and values[5].eq(2).all()
+    assert keys.sum() == 8 and values.sum() == 16
+
+
+def _decodes_like_the_eager_engine(model, engine: Engine) -> None:
+    eager = _engine(model, compile_decode=False)
+    outputs = []
+    for each in (engine, eager):
+        tokens = [_start(each, "r", [4, 5, 6], [9, 2, 30])]
+        tokens += [_decode(each, ["r"])["r"] for _ in range(6)]
+        _release(each, ["r"])
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+
+
+def test_a_compile_that_fails_keeps_the_eager_forward(model, monkeypatch):
+    """No C++ compiler, an op inductor cannot take: one log line, the engine runs eagerly."""
+
+    def no_compiler(fn, **options):
+        def fail(*args):
+            raise RuntimeError("no working C++ compiler found")
+
+        return fail
+
+    monkeypatch.setattr(compiled_decode.torch, "compile", no_compiler)
+    with capture_logs() as logs:
+        engine = _engine(model, compile_decode=True)
+    assert not engine.compiles_decode
+    (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
+    assert "no working C++ compiler" in line["reason"]
+    _decodes_like_the_eager_engine(model, engine)
+
+
+def test_a_graph_whose_logits_stray_is_not_used(model, monkeypatch):
+    def straying(fn, **options):
+        return lambda *args: fn(*args) * 1.01
+
+    monkeypatch.setattr(compiled_decode.torch, "compile", straying)
+    with capture_logs() as logs:
+        engine = _engine(model, compile_decode=True)
+    assert not engine.compiles_decode
+    (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
+    assert "stray" in line["reason"]
+    _decodes_like_the_eager_engine(model, engine)
+
+
+def test_the_traced_forward_uncompiled_is_the_eager_engine(model, monkeypatch):
+    """The runner's own inputs, plan and K/V writes, with torch.compile a no-op."""
+    monkeypatch.setattr(compiled_decode.torch, "compile", lambda fn, **options: fn)
+    engine = _engine(model, compile_decode=True)
+    assert engine.compiles_decode
+    _decodes_like_the_eager_engine(model, engine)
+
+
+def test_fbgemm_packed_layers_are_not_compiled(tmp_path):
+    """float16 matrices (fbgemm's packed objects) would break the graph at every matmul."""
+    model_dir = write_tiny_model(tmp_path / "tiny", "llama")
+    model = load_model(model_dir, device="cpu", dtype="float32", weight_format="float16")
+    with capture_logs() as logs:
+        engine = _engine(model, compile_decode=True)
+    assert not engine.compiles_decode
+    (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
+    assert "fbgemm" in line["reason"]
+
+
+def test_a_pool_too_small_for_the_graph_is_refused(model):
+    cache = PagedKVCache(model.config, MIN_BLOCKS - 1, BLOCK_SIZE, torch.device("cpu"), model.dtype)
+    with pytest.raises(compiled_decode.DecodeCompileError, match="fewer than"):
+        CompiledDecode(model, cache)
+
+
+def test_the_worker_flag_and_its_environment(monkeypatch):
+    monkeypatch.setenv("ORCAPOD_COMPILE_DECODE", "1")
+    assert parse_settings([]).compile_decode
+    assert not parse_settings(["--no-compile-decode"]).compile_decode
+    monkeypatch.setenv("ORCAPOD_COMPILE_DECODE", "0")
+    assert not parse_settings([]).compile_decode
+    assert parse_settings(["--compile-decode"]).compile_decode
+
+
+def test_prompt_tokens_outside_the_vocabulary_still_fail_alone(compiled_engine):
+    """Bad input before the graph: the engine's checks, unchanged."""
+    output = compiled_engine.step(
+        StepPlan(
+            "g", 0, 0,
+            new_requests=[RequestSpec("bad", 2, GREEDY)],
+            prefill_chunks=[PrefillChunk("bad", [1, TINY_VOCAB_SIZE], 0)],
+            block_grants={"bad": [0]},
+        )
+    )  # fmt: skip
+    assert [failure.request_id for failure in output.failed] == ["bad"]
