@@ -176,6 +176,17 @@ def _decodes_like_the_eager_engine(model, engine: Engine) -> None:
     assert outputs[0] == outputs[1]
 
 
+def _refused_engine(model, monkeypatch, fake_compile) -> tuple[Engine, str]:
+    """An engine asked to compile with ``fake_compile`` as torch.compile: it must not
+    use the runner; returns it and the reason its one log line gives."""
+    monkeypatch.setattr(compiled_decode.torch, "compile", fake_compile)
+    with capture_logs() as logs:
+        engine = _engine(model, compile_decode=True)
+    assert not engine.compiles_decode
+    (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
+    return engine, line["reason"]
+
+
 def test_a_compile_that_fails_keeps_the_eager_forward(model, monkeypatch):
     """No C++ compiler, an op inductor cannot take: one log line, the engine runs eagerly."""
 
@@ -185,12 +196,8 @@ def test_a_compile_that_fails_keeps_the_eager_forward(model, monkeypatch):
 
         return fail
 
-    monkeypatch.setattr(compiled_decode.torch, "compile", no_compiler)
-    with capture_logs() as logs:
-        engine = _engine(model, compile_decode=True)
-    assert not engine.compiles_decode
-    (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
-    assert "no working C++ compiler" in line["reason"]
+    engine, reason = _refused_engine(model, monkeypatch, no_compiler)
+    assert "no working C++ compiler" in reason
     _decodes_like_the_eager_engine(model, engine)
 
 
@@ -198,12 +205,8 @@ def test_a_graph_whose_logits_stray_is_not_used(model, monkeypatch):
     def straying(fn, **options):
         return lambda *args: fn(*args) * 1.01
 
-    monkeypatch.setattr(compiled_decode.torch, "compile", straying)
-    with capture_logs() as logs:
-        engine = _engine(model, compile_decode=True)
-    assert not engine.compiles_decode
-    (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
-    assert "stray" in line["reason"]
+    engine, reason = _refused_engine(model, monkeypatch, straying)
+    assert "stray" in reason
     _decodes_like_the_eager_engine(model, engine)
 
 
