@@ -3,8 +3,9 @@
 On the CPU, a batch-1 decode of a small model is mostly the host's work
 between ops: SmolLM2's step is about 1,300 torch calls from Python, a few
 microseconds each, around 6 ms of matmuls. Inductor traces the model's own
-``LlamaModel.forward`` once for one token, fuses the norms, RoPE, SwiGLU
-and residual adds into a few C++ loops per layer and calls the matmul and
+``LlamaModel.final_hidden`` (the forward up to the LM head, which is one
+call after it) once for one token, fuses the norms, RoPE, SwiGLU and
+residual adds into a few C++ loops per layer and calls the matmul and
 attention kernels from one generated function: the CPU's counterpart of the
 CUDA graphs in ``cuda_graphs.py``, for the case a chat is, one request
 decoding alone.
@@ -49,10 +50,12 @@ MAX_LOGIT_ERROR = 1e-3
 
 _log = structlog.get_logger(__name__)
 
-# The forward without its inference_mode decorator: the graph is traced and
-# run under no_grad (inductor fails on some graphs that mutate the K/V pool
-# in inference mode: "Cannot set version_counter for inference tensor").
-_UNDECORATED_FORWARD = LlamaModel.forward.__wrapped__  # type: ignore[attr-defined]
+# What the graph is: the forward up to the LM head (a packed head is an object
+# the tracer cannot enter; it runs after the graph), without its inference_mode
+# decorator: the graph is traced and run under no_grad (inductor fails on some
+# graphs that mutate the K/V pool in inference mode: "Cannot set
+# version_counter for inference tensor").
+_UNDECORATED_FINAL_HIDDEN = LlamaModel.final_hidden.__wrapped__  # type: ignore[attr-defined]
 
 
 class DecodeRunner(Protocol):
@@ -164,7 +167,7 @@ class CompiledDecode:
         )
         self._compiled = torch.compile(
             self._forward,
-            fullgraph=False,  # a packed LM head the tracer cannot enter runs eagerly after it
+            fullgraph=True,  # a graph break would be a silent slowdown: fail, run eagerly
             dynamic=False,
             options={
                 "guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
@@ -194,12 +197,13 @@ class CompiledDecode:
         plan = self.backend.prepare(layout, self.kv_cache.block_size, self.model.device)
         torch._dynamo.mark_dynamic(plan.block_ids, 0, min=MIN_BLOCKS, max=self._max_blocks)
         with torch.no_grad():
-            return self._compiled(
+            last = self._compiled(
                 torch.tensor(token_ids, dtype=torch.int64),
                 torch.tensor(positions, dtype=torch.int64),
                 torch.tensor(slots, dtype=torch.int64),
                 plan,
             )
+        return self.model.logits(last)
 
     def _forward(
         self,
@@ -208,7 +212,7 @@ class CompiledDecode:
         slot_mapping: torch.Tensor,
         plan: LoneDecodePlan,
     ) -> torch.Tensor:
-        return _UNDECORATED_FORWARD(
+        return _UNDECORATED_FINAL_HIDDEN(
             self.model, token_ids, positions, slot_mapping, self.kv_cache, self.backend, plan,
             self._logits_rows,
         )  # fmt: skip

@@ -53,6 +53,29 @@ class LlamaModel:
         token_ids, positions, slot_mapping: ``[T]``; each token's K/V is written
         to its slot before attention reads the pool.
         """
+        last = self.final_hidden(
+            token_ids, positions, slot_mapping, kv_cache, backend, attention_plan, logits_rows
+        )
+        return self.logits(last)
+
+    @torch.inference_mode()
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``final_hidden``'s rows: fp32 ``[rows, vocab]``."""
+        return linear(last, self.weights.lm_head).float()
+
+    @torch.inference_mode()
+    def final_hidden(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: PagedKVCache,
+        backend: AttentionBackend,
+        attention_plan: object,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The selected rows' final hidden states, normed: ``[len(logits_rows), hidden]``
+        (everything of ``forward`` but the LM head)."""
         config, ops, eps = self.config, self.pointwise, self.config.rms_norm_eps
         rotary_inputs = ops.rotary_inputs(self.rotary, positions)
         hidden = self.weights.embed_tokens[token_ids]  # [T, hidden]
@@ -73,4 +96,4 @@ class LlamaModel:
             delta = linear(ops.silu_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
         rows_delta = None if delta is None else delta[logits_rows]
         _, last = ops.add_rms_norm(hidden[logits_rows], rows_delta, self.weights.final_norm, eps)
-        return linear(last, self.weights.lm_head).float()  # [rows, vocab]
+        return last
