@@ -28,6 +28,7 @@ engine keeps the eager forward.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -175,6 +176,12 @@ class CompiledDecode:
                 # weights whose shapes never change.
                 "size_asserts": False,
             },
+        )
+        # The worker is silent while this runs: say why, and where the result is kept.
+        _log.info(
+            "compiling_decode",
+            note="tens of seconds the first time, a few once cached",
+            cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"),
         )
         self.compile_s = self._warm_up()
 
