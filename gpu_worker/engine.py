@@ -32,7 +32,7 @@ from gpu_worker.attention import (
     make_backend,
 )
 from gpu_worker.block_tables import blocks_for
-from gpu_worker.compiled_decode import DecodeRunner, compiled_decode_or_none
+from gpu_worker.compiled_decode import CompiledDecode, DecodeRunner, compiled_decode_or_none
 from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
@@ -167,12 +167,10 @@ class Engine:
             attention_backend or default_backend_name(model.device), model.dtype
         )
         self._decode_runner: DecodeRunner | None = None
-        self.uses_cuda_graphs = False
         if use_cuda_graphs and model.device.type == "cuda":
             from gpu_worker.cuda_graphs import DecodeGraphRunner
 
             self._decode_runner = DecodeGraphRunner(model, self.kv_cache, self.backend)
-            self.uses_cuda_graphs = True
         elif compile_decode and model.device.type == "cpu":
             self._decode_runner = compiled_decode_or_none(model, self.kv_cache)
         self.stats = EngineStats()
@@ -183,8 +181,13 @@ class Engine:
 
     @property
     def compiles_decode(self) -> bool:
-        """Whether a lone request's decode steps run through a compiled graph."""
-        return self._decode_runner is not None and not self.uses_cuda_graphs
+        """Whether a lone request's decode steps run through a compiled graph (CPU)."""
+        return isinstance(self._decode_runner, CompiledDecode)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode-only steps replay CUDA graphs (the other decode runner)."""
+        return self._decode_runner is not None and not self.compiles_decode
 
     @property
     def num_blocks(self) -> int:
