@@ -134,10 +134,12 @@ class PlanRunner:
             return StepDone(entry_id, empty, dead_error=str(error), dead_plan=encode(plan))
         self._last_step_index = plan.step_index
         gateway_ids = self._gateway_ids
-        for spec in plan.new_requests:
-            gateway_ids[spec.request_id] = spec.gateway_id
+        # In the engine's order: releases first, so a request released and
+        # admitted again in one plan (a stale admission) keeps its gateway.
         for request_id in plan.released_request_ids:
             gateway_ids.pop(request_id, None)
+        for spec in plan.new_requests:
+            gateway_ids[spec.request_id] = spec.gateway_id
         batches: dict[str, list[SampledToken]] = defaultdict(list)
         for token in output.tokens:
             if token.finish_reason is None:

@@ -242,6 +242,35 @@ def test_a_plan_out_of_order_is_refused_whole_and_the_next_one_runs(redis_server
     run_worker(redis_server.url, model, scenario)
 
 
+def test_requests_admitted_again_while_still_here_stream_to_their_gateways(redis_server, model):
+    """The scheduler took a second join of this worker id for a rejoin and admits
+    its requests again while the engine still holds them: the stale state is
+    dropped, and the new run's tokens still reach each request's gateway."""
+
+    async def scenario(redis: aioredis.Redis, scheduler: Scheduler) -> None:
+        await scheduler.joined()
+        await scheduler.send(admit(1))
+        await scheduler.send(decode(2, ["r0", "r1"]))
+        await scheduler.send(admit(3))  # both again, from their prompts
+        await scheduler.send(decode(4, ["r0", "r1"]))
+        await scheduler.send(decode(5, ["r0", "r1"]))
+        outputs = [await scheduler.result() for _ in range(5)]
+        assert [len(output.tokens) for output in outputs] == [2] * 5
+        assert outputs[-1].finished_request_ids == ["r0", "r1"]
+        batches = await scheduler.batches(10)
+        assert len(batches) == 10
+        for channel, batch in batches:
+            for token in batch.tokens:
+                assert channel == KEYS.tokens("gw1" if token.request_id == "r0" else "gw2")
+        rerun: dict[str, list[int]] = {}
+        for _, batch in batches[4:]:
+            for token in batch.tokens:
+                rerun.setdefault(token.request_id, []).append(token.token_id)
+        assert rerun == expected_tokens(model)
+
+    run_worker(redis_server.url, model, scenario)
+
+
 def test_a_bad_plan_goes_to_dead_with_an_empty_output_and_the_next_plan_runs(redis_server, model):
     async def scenario(redis: aioredis.Redis, scheduler: Scheduler) -> None:
         await scheduler.joined()
