@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import os
 import time
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from gpu_worker.attention import SequenceLayout
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
-from gpu_worker.quantized_linear import Float16Linear, Int8Linear
+from gpu_worker.quantized_linear import Int8Linear
 
 # torch specializes dimensions of size 0 and 1: a request's block ids are
 # padded (with its own last block, masked) to at least this many.
@@ -150,11 +152,11 @@ class CompiledDecode:
         first blocks (free while the engine starts); DecodeCompileError if it fails."""
         if model.device.type != "cpu":
             raise DecodeCompileError(f"compiled decode is for the CPU, not {model.device}")
-        fbgemm = fbgemm_matrices(model)
-        if fbgemm:
+        untraceable = untraceable_matrices(model)
+        if untraceable:
             raise DecodeCompileError(
-                f"its {fbgemm} layer matrices are packed for fbgemm, which breaks the "
-                "graph at every matmul"
+                f"its {untraceable} layer matrices are packed for fbgemm's int8 kernel, "
+                "which breaks the graph at every matmul"
             )
         if kv_cache.num_blocks < MIN_BLOCKS:
             raise DecodeCompileError(f"the K/V pool has fewer than {MIN_BLOCKS} blocks")
@@ -167,7 +169,7 @@ class CompiledDecode:
             MIN_BLOCKS + 1, -(-model.config.max_position_embeddings // block_size)
         )
         self._compiled = torch.compile(
-            self._forward,
+            types.MethodType(_with_own_code(CompiledDecode._forward), self),
             fullgraph=True,  # a graph break would be a silent slowdown: fail, run eagerly
             dynamic=False,
             options={
@@ -257,11 +259,26 @@ class CompiledDecode:
         return compile_s
 
 
-def fbgemm_matrices(model: LlamaModel) -> int:
-    """How many layer matrices are fbgemm's packed objects (which torch.compile cannot
-    trace; the LM head, called once after the layers, may be one)."""
+def _with_own_code(function: Callable[..., Any]) -> types.FunctionType:
+    """A copy of ``function`` with a code object of its own. Dynamo keeps its graphs
+    per code object and, with the guards skipped, would run the first runner's
+    graph (its weights' forms, its K/V pool's tensors) for every later one."""
+    assert isinstance(function, types.FunctionType)
+    return types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+
+
+def untraceable_matrices(model: LlamaModel) -> int:
+    """How many layer matrices are only fbgemm's packed int8 objects (which torch.compile
+    cannot trace; float16's keep a plain copy it can; the LM head, called once after
+    the layers, may be either)."""
     return sum(
-        isinstance(matrix, (Float16Linear, Int8Linear))
+        isinstance(matrix, Int8Linear)
         for layer in model.weights.layers
         for matrix in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     )

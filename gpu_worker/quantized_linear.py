@@ -106,12 +106,14 @@ class Int8Linear:
 
 @dataclass(frozen=True)
 class Float16Linear:
-    """``[out, in]`` weights rounded to fp16, for ``quantized::linear_dynamic_fp16``."""
+    """``[out, in]`` weights rounded to fp16: for ``quantized::linear_dynamic_fp16``
+    eagerly, and as a plain fp16 tensor inside a compiled graph."""
 
     packed: Any  # fbgemm's PackedGemmMatrixFP16 (a TorchScript object)
+    weight: torch.Tensor  # the same [out, in] fp16, which torch.compile can trace
     out_features: int
     in_features: int
-    bytes_per_weight = 2
+    bytes_per_weight = 4  # fbgemm's 2 and the plain tensor's 2
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> Float16Linear:
@@ -120,10 +122,16 @@ class Float16Linear:
         if largest > torch.finfo(torch.float16).max:
             raise PackError(f"holds {largest:.3g}, beyond fp16's range")
         packed = torch.ops.quantized.linear_prepack_fp16(weight.contiguous(), None)
-        return cls(packed, int(weight.shape[0]), int(weight.shape[1]))
+        plain = weight.to(torch.float16).contiguous()
+        return cls(packed, plain, int(weight.shape[0]), int(weight.shape[1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] fp32 -> [T, out] fp32."""
+        if torch.compiler.is_compiling():
+            # fbgemm's object is opaque to the tracer. Written as products and a
+            # sum, inductor makes one vectorised loop that reads each fp16 weight
+            # once and accumulates in fp32 (the compiled decode, where T is 1).
+            return (self.weight.float() * x[:, None, :]).sum(-1)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 

@@ -8,6 +8,7 @@ compile; the ways it is refused fall back to the eager forward.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -21,6 +22,8 @@ from gpu_worker.attention_cpu import CpuAttention
 from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, LoneDecodeAttention
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
+from gpu_worker.llama import LlamaModel
+from gpu_worker.quantized_linear import Int8Linear, weight_format_of
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 
@@ -218,15 +221,39 @@ def test_the_traced_forward_uncompiled_is_the_eager_engine(model, monkeypatch):
     _decodes_like_the_eager_engine(model, engine)
 
 
-def test_fbgemm_packed_layers_are_not_compiled(tmp_path):
-    """float16 matrices (fbgemm's packed objects) would break the graph at every matmul."""
-    model_dir = write_tiny_model(tmp_path / "tiny", "llama")
-    model = load_model(model_dir, device="cpu", dtype="float32", weight_format="float16")
+def test_fbgemm_int8_layers_are_not_compiled(model):
+    """int8 matrices (only fbgemm's packed objects) would break the graph at every matmul."""
+    first, *others = model.weights.layers
+    packed = dataclasses.replace(first, qkv_proj=Int8Linear.pack(first.qkv_proj))
+    weights = dataclasses.replace(model.weights, layers=[packed, *others])
+    int8_model = LlamaModel(model.config, weights, model.device, model.dtype)
     with capture_logs() as logs:
-        engine = _engine(model, compile_decode=True)
+        engine = _engine(int8_model, compile_decode=True)
     assert not engine.compiles_decode
     (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
-    assert "fbgemm" in line["reason"]
+    assert "int8" in line["reason"]
+
+
+def test_float16_layers_compile_and_decode_as_their_eager_kernel(
+    compiled_engine, tmp_path, monkeypatch
+):
+    """The CPU default where bf16 is emulated (AVX2): fbgemm's fp16 matrices eagerly,
+    their plain fp16 copies in the graph; the same tokens either way. Compiled while
+    the float32 model's graph exists (``compiled_engine``): each runner has its own."""
+    model_dir = write_tiny_model(tmp_path / "tiny", "llama")
+    model = load_model(model_dir, device="cpu", dtype="float32", weight_format="float16")
+    assert weight_format_of(model.weights) == "float16"
+    compiled = _engine(model, compile_decode=True)
+    assert compiled.compiles_decode
+    calls = _counting_runs(monkeypatch, compiled)
+    blocks = random.Random(5).sample(range(NUM_BLOCKS), 9)
+    outputs = []
+    for engine in (compiled, _engine(model, compile_decode=False)):
+        tokens = [_start(engine, "lone", [9, 2, 30, 4], blocks)]
+        tokens += [_decode(engine, ["lone"])["lone"] for _ in range(30)]
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    assert calls == [1] * 30
 
 
 def test_a_pool_too_small_for_the_graph_is_refused(model):
