@@ -3,10 +3,12 @@
 On the CPU, a batch-1 decode of a small model is mostly the host's work
 between ops: SmolLM2's step is about 1,300 torch calls from Python, a few
 microseconds each, around 6 ms of matmuls. Inductor traces the model's own
-``LlamaModel.final_hidden`` (the forward up to the LM head, which is one
-call after it) once for one token, fuses the norms, RoPE, SwiGLU and
-residual adds into a few C++ loops per layer and calls the matmul and
-attention kernels from one generated function: the CPU's counterpart of the
+forward (``final_hidden`` and ``logits``; only ``final_hidden`` where the LM
+head is an fbgemm object alone, which then runs after the graph) once for
+one token, fuses the norms, RoPE, SwiGLU and residual adds into a few C++
+loops per layer and calls the matmul and attention kernels from one
+generated function (an LM head on a Q8_0 grid, as the packaged model's, is
+one such loop over its int8 form: ``Int8GroupLinear``): the CPU's counterpart of the
 CUDA graphs in ``cuda_graphs.py``, for the case a chat is, one request
 decoding alone.
 
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from gpu_worker.attention import SequenceLayout
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
-from gpu_worker.quantized_linear import Int8Linear
+from gpu_worker.quantized_linear import traceable
 
 # torch specializes dimensions of size 0 and 1: a request's block ids are
 # padded (with its own last block, masked) to at least this many.
@@ -53,12 +55,13 @@ MAX_LOGIT_ERROR = 1e-3
 
 _log = structlog.get_logger(__name__)
 
-# What the graph is: the forward up to the LM head (a packed head is an object
-# the tracer cannot enter; it runs after the graph), without its inference_mode
-# decorator: the graph is traced and run under no_grad (inductor fails on some
-# graphs that mutate the K/V pool in inference mode: "Cannot set
-# version_counter for inference tensor").
+# What the graph is: the forward, or the forward up to the LM head where the head
+# is only fbgemm's packed object, which the tracer cannot enter (it then runs
+# after the graph); without their inference_mode decorators: the graph is traced
+# and run under no_grad (inductor fails on some graphs that mutate the K/V pool
+# in inference mode: "Cannot set version_counter for inference tensor").
 _UNDECORATED_FINAL_HIDDEN = LlamaModel.final_hidden.__wrapped__  # type: ignore[attr-defined]
+_UNDECORATED_LOGITS = LlamaModel.logits.__wrapped__  # type: ignore[attr-defined]
 
 
 class DecodeRunner(Protocol):
@@ -155,14 +158,15 @@ class CompiledDecode:
         untraceable = untraceable_matrices(model)
         if untraceable:
             raise DecodeCompileError(
-                f"its {untraceable} layer matrices are packed for fbgemm's int8 kernel, "
-                "which breaks the graph at every matmul"
+                f"its {untraceable} layer matrices are only fbgemm's packed objects (int8), "
+                "which would break the graph at every matmul"
             )
         if kv_cache.num_blocks < MIN_BLOCKS:
             raise DecodeCompileError(f"the K/V pool has fewer than {MIN_BLOCKS} blocks")
         self.model = model
         self.kv_cache = kv_cache
         self.backend = LoneDecodeAttention(kv_cache.block_size)
+        self.head_in_graph = traceable(model.weights.lm_head)
         self._logits_rows = torch.zeros(1, dtype=torch.int64)
         block_size = kv_cache.block_size
         self._max_blocks = max(
@@ -206,13 +210,13 @@ class CompiledDecode:
         plan = self.backend.prepare(layout, self.kv_cache.block_size, self.model.device)
         torch._dynamo.mark_dynamic(plan.block_ids, 0, min=MIN_BLOCKS, max=self._max_blocks)
         with torch.no_grad():
-            last = self._compiled(
+            out = self._compiled(
                 torch.tensor(token_ids, dtype=torch.int64),
                 torch.tensor(positions, dtype=torch.int64),
                 torch.tensor(slots, dtype=torch.int64),
                 plan,
             )
-        return self.model.logits(last)
+        return out if self.head_in_graph else self.model.logits(out)
 
     def _forward(
         self,
@@ -221,10 +225,12 @@ class CompiledDecode:
         slot_mapping: torch.Tensor,
         plan: LoneDecodePlan,
     ) -> torch.Tensor:
-        return _UNDECORATED_FINAL_HIDDEN(
+        """The logits, or the final hidden state where the head is not ``head_in_graph``."""
+        last = _UNDECORATED_FINAL_HIDDEN(
             self.model, token_ids, positions, slot_mapping, self.kv_cache, self.backend, plan,
             self._logits_rows,
         )  # fmt: skip
+        return _UNDECORATED_LOGITS(self.model, last) if self.head_in_graph else last
 
     def _warm_up(self) -> float:
         """Compile on a step at position 1 of blocks 0 and 1, then check it
@@ -274,11 +280,11 @@ def _with_own_code(function: Callable[..., Any]) -> types.FunctionType:
 
 
 def untraceable_matrices(model: LlamaModel) -> int:
-    """How many layer matrices are only fbgemm's packed int8 objects (which torch.compile
-    cannot trace; float16's keep a plain copy it can; the LM head, called once after
-    the layers, may be either)."""
+    """How many layer matrices are only fbgemm's packed objects, which torch.compile
+    cannot trace (float16's keep a plain copy it can; the LM head, called once after
+    the layers, may be either: ``head_in_graph``)."""
     return sum(
-        isinstance(matrix, Int8Linear)
+        not traceable(matrix)
         for layer in model.weights.layers
         for matrix in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     )

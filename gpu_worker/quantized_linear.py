@@ -63,6 +63,12 @@ INT4_GROUP_SIZE = 32
 # copy: measured crossover between 8 and 16 rows on SmolLM2's shapes
 # (docs/benchmarks.md, *Issue 14, fourth step*).
 INT4_MAX_ROWS = 8
+# The int8 groups of an LM head on llama.cpp's Q8_0 grid, and how many rows its
+# layout interleaves: one AVX-512 vector of fp32 (two of AVX2's). Measured on
+# SmolLM2's head (49152 x 576, 2 threads, AVX-512): 1.1 ms a token, against
+# 1.4-2.2 for fbgemm's fp16 (docs/benchmarks.md, *Issue 14, seventh step*).
+INT8_GROUP_SIZE = 32
+INT8_ROW_TILE = 16
 # Packed weights whose probe logits differ from the loaded weights' by more
 # than this (relative L2) are not used. Measured: float16 0.04 % on SmolLM2
 # and 0.03 % on the tests' tiny model; int8 26 % and 2.4 %.
@@ -82,7 +88,6 @@ class Int8Linear:
     packed: Any  # fbgemm's LinearPackedParamsBase (a TorchScript object)
     out_features: int
     in_features: int
-    bytes_per_weight = 1
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> Int8Linear:
@@ -103,36 +108,111 @@ class Int8Linear:
         """``x`` [T, in] fp32 -> [T, out] fp32."""
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
+    @property
+    def num_bytes(self) -> int:
+        return self.out_features * self.in_features
+
 
 @dataclass(frozen=True)
 class Float16Linear:
     """``[out, in]`` weights rounded to fp16: for ``quantized::linear_dynamic_fp16``
-    eagerly, and as a plain fp16 tensor inside a compiled graph."""
+    eagerly, and as a plain fp16 tensor inside a compiled graph (layers only)."""
 
     packed: Any  # fbgemm's PackedGemmMatrixFP16 (a TorchScript object)
-    weight: torch.Tensor  # the same [out, in] fp16, which torch.compile can trace
+    weight: torch.Tensor | None  # the same [out, in] fp16, which torch.compile can trace
     out_features: int
     in_features: int
-    bytes_per_weight = 4  # fbgemm's 2 and the plain tensor's 2
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> Float16Linear:
-        """Round ``weight`` [out, in] (fp32) to fp16."""
+    def pack(cls, weight: torch.Tensor, traceable: bool = True) -> Float16Linear:
+        """Round ``weight`` [out, in] (fp32) to fp16; ``traceable`` keeps the plain
+        copy a compiled graph reads (the LM head, which no graph traces as fp16, need not)."""
         largest = float(weight.abs().max()) if weight.numel() else 0.0
         if largest > torch.finfo(torch.float16).max:
             raise PackError(f"holds {largest:.3g}, beyond fp16's range")
         packed = torch.ops.quantized.linear_prepack_fp16(weight.contiguous(), None)
-        plain = weight.to(torch.float16).contiguous()
+        plain = weight.to(torch.float16).contiguous() if traceable else None
         return cls(packed, plain, int(weight.shape[0]), int(weight.shape[1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] fp32 -> [T, out] fp32."""
         if torch.compiler.is_compiling():
+            assert self.weight is not None, "packed without its traceable copy"
             # fbgemm's object is opaque to the tracer. Written as products and a
             # sum, inductor makes one vectorised loop that reads each fp16 weight
             # once and accumulates in fp32 (the compiled decode, where T is 1).
             return (self.weight.float() * x[:, None, :]).sum(-1)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    @property
+    def num_bytes(self) -> int:
+        plain = 0 if self.weight is None else self.weight.nbytes
+        return 2 * self.out_features * self.in_features + plain
+
+
+@dataclass(frozen=True)
+class Int8GroupLinear:
+    """``[out, in]`` weights on a symmetric 8-bit grid per ``INT8_GROUP_SIZE`` values
+    (``level * scale``, level in -127..127: llama.cpp's Q8_0, the packaged model's
+    embedding), held exactly as int8 in a layout made for inductor's loops: the
+    compiled decode's form of such an LM head, half of fp16's bytes.
+
+    Rows go in tiles of ``INT8_ROW_TILE``, side by side: a tile's 32-bit words
+    (four levels of one row each) for one column range are contiguous, so the
+    generated loop loads whole vectors of rows and reads each tile's bytes in
+    one stream (rows as the vector's lanes; one row per lane: no sum across lanes).
+    """
+
+    words: torch.Tensor  # [out / tile, in / 4, tile] int32: levels of columns 4w..4w+3
+    scales: torch.Tensor  # [out / tile, in / group, tile] fp32
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Int8GroupLinear:
+        """``weight`` [out, in] (fp32) whose every group of 32 is ``level * scale``
+        with the largest |level| 127; PackError when it is not (int8 would change it)."""
+        out_features, in_features = weight.shape
+        if in_features % INT8_GROUP_SIZE:
+            raise PackError(f"has {in_features} columns, not a multiple of {INT8_GROUP_SIZE}")
+        if out_features % INT8_ROW_TILE:
+            raise PackError(f"has {out_features} rows, not a multiple of {INT8_ROW_TILE}")
+        groups = weight.reshape(out_features, -1, INT8_GROUP_SIZE)
+        scale = groups.abs().amax(dim=-1) / 127
+        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero groups
+        levels = (groups / safe_scale[..., None]).round()
+        off_grid = (levels * scale[..., None] - groups).abs()
+        if not bool((off_grid <= 1e-3 * safe_scale[..., None]).all()):  # NaN too
+            raise PackError(f"is not on an 8-bit grid of {INT8_GROUP_SIZE} values (not Q8_0)")
+        tiles, tile = out_features // INT8_ROW_TILE, INT8_ROW_TILE
+        # Little-endian: byte b of word w is column 4w + b.
+        words = levels.to(torch.int8).reshape(out_features, in_features).view(torch.int32)
+        return cls(
+            words.reshape(tiles, tile, -1).transpose(1, 2).contiguous(),
+            scale.reshape(tiles, tile, -1).transpose(1, 2).contiguous(),
+            int(out_features),
+            int(in_features),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] fp32 -> [T, out] fp32, accumulated in fp32 (for compiled graphs:
+        eagerly it is a dozen full-size temporaries)."""
+        tiles, _, tile = self.words.shape
+        num_groups = self.in_features // INT8_GROUP_SIZE
+        words = self.words.view(tiles, num_groups, INT8_GROUP_SIZE // 4, tile)
+        columns = x.reshape(len(x), 1, num_groups, INT8_GROUP_SIZE // 4, 4)
+        group_sums: torch.Tensor | None = None
+        for byte in range(4):  # sign-extend byte ``byte`` of every word
+            level = ((words << (24 - 8 * byte)) >> 24).float()
+            term = level * columns[..., byte, None]  # [T, tiles, groups, words, tile]
+            group_sums = term if group_sums is None else group_sums + term
+        assert group_sums is not None
+        out = (group_sums * self.scales[:, :, None, :]).sum((2, 3))  # [T, tiles, tile]
+        return out.reshape(len(x), self.out_features)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.words.nbytes + self.scales.nbytes
 
 
 @dataclass(frozen=True)
@@ -176,6 +256,10 @@ class Int4Kernel:
             x.to(torch.bfloat16), self.packed, INT4_GROUP_SIZE, self.scales_and_zeros
         )
 
+    @property
+    def num_bytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
 
 @dataclass(frozen=True)
 class Int4Linear:
@@ -186,7 +270,6 @@ class Int4Linear:
     many_rows: torch.Tensor  # [out, in] bf16
     out_features: int
     in_features: int
-    bytes_per_weight = 2.5  # 0.5 + 2 (fp16's 2 + 2 for a head off the grid)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, off_grid_ok: bool = False) -> Int4Linear:
@@ -197,7 +280,7 @@ class Int4Linear:
         except PackError:
             if not off_grid_ok:
                 raise
-            few_rows = Float16Linear.pack(weight)
+            few_rows = Float16Linear.pack(weight, traceable=False)
         out_features, in_features = weight.shape
         return cls(few_rows, weight.to(torch.bfloat16), int(out_features), int(in_features))
 
@@ -207,8 +290,31 @@ class Int4Linear:
             return self.few_rows(x).float()
         return F.linear(x.to(torch.bfloat16), self.many_rows).float()
 
+    @property
+    def num_bytes(self) -> int:
+        return self.few_rows.num_bytes + self.many_rows.nbytes
 
-PackedLinear = Int8Linear | Float16Linear | Int4Linear
+
+@dataclass(frozen=True)
+class WithTracedForm:
+    """One matrix in two forms: ``eager``'s kernels (fbgemm's, opaque to the tracer)
+    outside compiled graphs, ``traced`` inside them. The LM head on a Q8_0 grid."""
+
+    eager: Int8Linear | Float16Linear | Int4Linear
+    traced: Int8GroupLinear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] fp32 -> [T, out] fp32."""
+        if torch.compiler.is_compiling():
+            return self.traced(x)
+        return self.eager(x).float()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.eager.num_bytes + self.traced.num_bytes
+
+
+PackedLinear = Int8Linear | Float16Linear | Int4Linear | WithTracedForm
 Packer = type[Int8Linear] | type[Float16Linear] | type[Int4Linear]
 _PACKERS: dict[str, Packer] = {
     "int8": Int8Linear,
@@ -225,6 +331,17 @@ def linear(
         return F.linear(x, weight, bias)
     out = weight(x)
     return out if bias is None else out + bias
+
+
+def traceable(weight: torch.Tensor | PackedLinear) -> bool:
+    """Whether torch.compile can trace ``linear(x, weight)`` for one row: plain
+    tensors, torch's 4-bit kernel and the plain or int8 copies kept for graphs can;
+    fbgemm's packed objects alone cannot."""
+    if isinstance(weight, Int4Linear):
+        return isinstance(weight.few_rows, Int4Kernel) or traceable(weight.few_rows)
+    if isinstance(weight, Float16Linear):
+        return weight.weight is not None
+    return not isinstance(weight, Int8Linear)
 
 
 def unsupported_reason(
@@ -345,9 +462,9 @@ def weight_format_of(weights: ModelWeights) -> str:
 
 def _pack_all(
     weights: ModelWeights, packer: Packer, include_lm_head: bool
-) -> tuple[ModelWeights, float]:
+) -> tuple[ModelWeights, int]:
     """Packed weights and their bytes; PackError names the first matrix the format cannot hold."""
-    num_bytes = 0.0
+    num_bytes = 0
 
     def pack(name: str, weight: torch.Tensor | PackedLinear, is_head: bool = False) -> PackedLinear:
         nonlocal num_bytes
@@ -357,16 +474,12 @@ def _pack_all(
         if not bool(torch.isfinite(weight).all()):
             raise PackError(f"{name} holds non-finite values")
         try:
-            # The LM head (often the tied embedding) is often kept finer than the layers.
-            if is_head and packer is Int4Linear:
-                packed: PackedLinear = Int4Linear.pack(weight, off_grid_ok=True)
-            else:
-                packed = packer.pack(weight)
+            packed = _pack_head(weight, packer) if is_head else packer.pack(weight)
         except PackError as error:
             raise PackError(f"{name} {error}") from None
         except RuntimeError as error:  # fbgemm refused the matrix
             raise PackError(f"{name} cannot be packed: {error}") from None
-        num_bytes += weight.numel() * packer.bytes_per_weight
+        num_bytes += packed.num_bytes
         return packed
 
     layers = [
@@ -381,3 +494,21 @@ def _pack_all(
     ]
     lm_head = pack("lm_head", weights.lm_head, True) if include_lm_head else weights.lm_head
     return dataclasses.replace(weights, layers=layers, lm_head=lm_head), num_bytes
+
+
+def _pack_head(weight: torch.Tensor, packer: Packer) -> PackedLinear:
+    """The LM head (often the tied embedding, often kept finer than the layers):
+    ``packer``'s form for eager calls (int4 keeps fp16 off its grid; fp16 without a
+    plain copy, which no graph traces), with its exact int8 form for compiled graphs
+    where it lies on a Q8_0 grid (the packaged model's does)."""
+    eager: Int8Linear | Float16Linear | Int4Linear
+    if packer is Int4Linear:
+        eager = Int4Linear.pack(weight, off_grid_ok=True)
+    elif packer is Float16Linear:
+        eager = Float16Linear.pack(weight, traceable=False)
+    else:
+        eager = packer.pack(weight)
+    try:
+        return WithTracedForm(eager, Int8GroupLinear.pack(weight))
+    except PackError:
+        return eager

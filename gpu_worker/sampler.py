@@ -111,11 +111,12 @@ def sample(
     """
     if stop_token_ids is not None:
         logits = mask_stop_token_ids(logits, params, indices, stop_token_ids)
-    # One pass over the batch for the argmax and the rows that cannot be sampled.
-    has_nan_or_inf = (logits.isnan() | (logits == float("inf"))).any(dim=-1)  # [N]
-    has_finite = (logits > float("-inf")).any(dim=-1)  # [N]
-    usable = (has_finite & ~has_nan_or_inf).tolist()
-    token_ids: list[int | SamplingError] = list(logits.argmax(dim=-1).tolist())
+    # One pass over the batch for the argmax and the rows that cannot be sampled:
+    # a row's max is NaN where it holds one (max propagates it), +inf where it
+    # holds that, -inf where all are, and finite only where the row is usable.
+    largest, argmax = logits.max(dim=-1)  # [N]; the first of equal maxima, as argmax
+    usable = largest.isfinite().tolist()
+    token_ids: list[int | SamplingError] = list(argmax.tolist())
     for row, (row_params, seed, index) in enumerate(zip(params, seeds, indices, strict=True)):
         if not usable[row]:
             token_ids[row] = SamplingError("the model's output for this request was not finite")

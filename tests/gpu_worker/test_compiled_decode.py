@@ -23,9 +23,11 @@ from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, LoneDecodeAtt
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
 from gpu_worker.llama import LlamaModel
-from gpu_worker.quantized_linear import Int8Linear, weight_format_of
+from gpu_worker.model_config import load_model_config
+from gpu_worker.quantized_linear import Int8Linear, pack_weights, weight_format_of
+from gpu_worker.weights import load_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
-from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
+from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, on_a_q8_0_grid, write_tiny_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -238,13 +240,20 @@ def test_float16_layers_compile_and_decode_as_their_eager_kernel(
     compiled_engine, tmp_path, monkeypatch
 ):
     """The CPU default where bf16 is emulated (AVX2): fbgemm's fp16 matrices eagerly,
-    their plain fp16 copies in the graph; the same tokens either way. Compiled while
-    the float32 model's graph exists (``compiled_engine``): each runner has its own."""
+    their plain fp16 copies in the graph, and a head on a Q8_0 grid as its int8 form
+    in the graph; the same tokens either way. Compiled while the float32 model's
+    graph exists (``compiled_engine``): each runner has its own."""
     model_dir = write_tiny_model(tmp_path / "tiny", "llama")
-    model = load_model(model_dir, device="cpu", dtype="float32", weight_format="float16")
+    config = load_model_config(model_dir)
+    weights = load_weights(model_dir, config, torch.device("cpu"), torch.float32)
+    head = on_a_q8_0_grid(weights.lm_head)  # as the packaged model's tied embedding
+    weights = dataclasses.replace(weights, embed_tokens=head, lm_head=head)
+    weights = pack_weights(weights, "float16", torch.device("cpu"), torch.float32)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
     assert weight_format_of(model.weights) == "float16"
     compiled = _engine(model, compile_decode=True)
     assert compiled.compiles_decode
+    assert compiled._decode_runner.head_in_graph  # its int8 form, one loop in the graph
     calls = _counting_runs(monkeypatch, compiled)
     blocks = random.Random(5).sample(range(NUM_BLOCKS), 9)
     outputs = []

@@ -5,6 +5,7 @@ with one log line each, wherever one cannot be used."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -28,17 +29,20 @@ from gpu_worker.quantized_linear import (
     Float16Linear,
     Int4Kernel,
     Int4Linear,
+    Int8GroupLinear,
     Int8Linear,
     PackError,
+    WithTracedForm,
     linear,
     pack_weights,
     resolve_weight_format,
+    traceable,
     unsupported_reason,
     weight_format_of,
 )
 from gpu_worker.weights import load_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
-from tests.gpu_worker.tiny_models import write_tiny_model
+from tests.gpu_worker.tiny_models import on_a_q8_0_grid, write_tiny_model
 
 CPU = torch.device("cpu")
 PROMPTS = {
@@ -136,6 +140,55 @@ def _with_weight(model_dir: Path, target: Path, name: str, value: float) -> Path
 
 
 # --- one packed matrix against fp32 ----------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_an_int8_group_head_is_the_q8_0_matrix_exactly(rows):
+    """The compiled decode's form of a Q8_0 head: fp32 sums of exact int8 levels and
+    scales, so it differs from F.linear on the dequantized matrix only by rounding;
+    zero groups and levels of either sign's extreme included."""
+    generator = torch.Generator().manual_seed(3)
+    weight = on_a_q8_0_grid(torch.randn(48, 96, generator=generator))
+    weight[5, :32] = 0.0  # a zero group
+    weight[7, 40] = -weight[7, 32:64].abs().max()  # -127 where +127 was the largest
+    x = torch.randn(rows, 96, generator=generator)
+    packed = Int8GroupLinear.pack(weight)
+    assert packed.num_bytes == 48 * 96 + 48 * 3 * 4
+    torch.testing.assert_close(packed(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("weight", "reason"),
+    [
+        (torch.randn(16, 64), "not on an 8-bit grid"),
+        (on_a_q8_0_grid(torch.randn(16, 96))[:, :80], "not a multiple of 32"),
+        (on_a_q8_0_grid(torch.randn(24, 64)), "not a multiple of 16"),
+        (torch.full((16, 64), float("nan")), "not on an 8-bit grid"),
+    ],
+    ids=["off the grid", "odd columns", "odd rows", "nan"],
+)
+def test_an_int8_group_head_refuses_what_it_cannot_hold(weight, reason):
+    with pytest.raises(PackError, match=reason):
+        Int8GroupLinear.pack(weight)
+
+
+def test_a_q8_0_head_gets_its_int8_form_for_graphs_and_fbgemm_eagerly(tiny_dir, tmp_path):
+    """float16: the head on a Q8_0 grid (the packaged model's embedding) is fbgemm's
+    fp16 eagerly (no plain copy: no graph reads it) and the int8 form inside graphs;
+    the layers keep their traceable copies; off the grid the head is fbgemm's alone."""
+    weights = load_weights(tiny_dir, load_model_config(tiny_dir), CPU, torch.float32)
+    head = on_a_q8_0_grid(weights.lm_head)
+    snapped = dataclasses.replace(weights, embed_tokens=head, lm_head=head)
+    packed = pack_weights(snapped, "float16", CPU, torch.float32)
+    assert isinstance(packed.lm_head, WithTracedForm)
+    assert isinstance(packed.lm_head.eager, Float16Linear)
+    assert packed.lm_head.eager.weight is None
+    assert traceable(packed.lm_head) and traceable(packed.layers[0].qkv_proj)
+    x = torch.randn(2, head.shape[1])
+    torch.testing.assert_close(linear(x, packed.lm_head), F.linear(x, head), rtol=1e-3, atol=1e-3)
+    off_grid = pack_weights(weights, "float16", CPU, torch.float32).lm_head
+    assert isinstance(off_grid, Float16Linear) and not traceable(off_grid)
+    assert not traceable(Int8Linear.pack(head))
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (7, 13), (96, 64), (160, 64), (576, 1536), (3072, 576)])

@@ -89,3 +89,12 @@ def write_tiny_model(model_dir: Path, variant: str = "llama", **overrides: Any) 
     model.save_pretrained(model_dir, safe_serialization=True)
     _write_tokenizer_files(model_dir)
     return model_dir
+
+
+def on_a_q8_0_grid(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] quantized as llama.cpp's Q8_0 and dequantized: per group of
+    32, ``level * scale`` with level in -127..127 and an fp16 scale of max|w| / 127."""
+    groups = weight.float().reshape(weight.shape[0], -1, 32)
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    levels = (groups / scale.clamp_min(1e-30)).round().clamp(-127, 127)
+    return (levels * scale).reshape(weight.shape)
