@@ -77,7 +77,9 @@ def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_an
             "--temperature",
             "0",
             "--max-tokens",
-            "400",
+            # More than the fastest decode here streams in the 6 s below: an answer
+            # that ended before Ctrl-C would make it leave the client instead.
+            "1500",
         ],
         cwd=REPO,
         stdin=subprocess.PIPE,
