@@ -147,10 +147,12 @@ def test_a_top_p_far_below_float32_keeps_only_the_top_token():
     "bad_row",
     [
         [float("nan")] + [0.0] * (VOCAB - 1),
+        [5.0] * (VOCAB - 1) + [float("nan")],  # after the largest: the max still sees it
         [float("inf")] + [0.0] * (VOCAB - 1),
+        [float("-inf")] * (VOCAB - 1) + [float("nan")],
         [float("-inf")] * VOCAB,
     ],
-    ids=["nan", "plus_inf", "all_minus_inf"],
+    ids=["nan", "nan_last", "plus_inf", "nan_among_minus_inf", "all_minus_inf"],
 )
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_row_that_blew_up_is_its_own_error_and_the_others_still_sample(bad_row, temperature):
