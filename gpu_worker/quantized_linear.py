@@ -24,6 +24,10 @@ matrix packed for one of the x86 kernels that ship in every x86 torch wheel
   head that is not on the grid (the packaged model's embedding is Q8_0)
   gets fp16 for few rows and the bf16 copy for more.
 
+Whatever the format, an LM head on llama.cpp's Q8_0 grid also keeps its exact
+int8 form (``Int8GroupLinear``), which compiled graphs read instead of the
+format's kernel (``WithTracedForm``): half of fp16's bytes, one fused loop.
+
 ``pack_weights`` turns loaded fp32 ``ModelWeights`` into packed ones, or
 hands them back unchanged with one log line per format tried saying why it
 cannot: not the CPU, not fp32, no fbgemm, no bf16 units (int4), a matrix the
@@ -66,7 +70,7 @@ INT4_MAX_ROWS = 8
 # The int8 groups of an LM head on llama.cpp's Q8_0 grid, and how many rows its
 # layout interleaves: one AVX-512 vector of fp32 (two of AVX2's). Measured on
 # SmolLM2's head (49152 x 576, 2 threads, AVX-512): 1.1 ms a token, against
-# 1.4-2.2 for fbgemm's fp16 (docs/benchmarks.md, *Issue 14, seventh step*).
+# 1.3-2.2 for fbgemm's fp16 (docs/benchmarks.md, *Issue 14, seventh step*).
 INT8_GROUP_SIZE = 32
 INT8_ROW_TILE = 16
 # Packed weights whose probe logits differ from the loaded weights' by more
