@@ -25,8 +25,9 @@ matrix packed for one of the x86 kernels that ship in every x86 torch wheel
   gets fp16 for few rows and the bf16 copy for more.
 
 Whatever the format, an LM head on llama.cpp's Q8_0 grid also keeps its exact
-int8 form (``Int8GroupLinear``), which compiled graphs read instead of the
-format's kernel (``WithTracedForm``): half of fp16's bytes, one fused loop.
+int8 form (``Int8GroupLinear``) on AVX-512 CPUs, which compiled graphs read
+instead of the format's kernel (``WithTracedForm``): half of fp16's bytes,
+one fused loop.
 
 ``pack_weights`` turns loaded fp32 ``ModelWeights`` into packed ones, or
 hands them back unchanged with one log line per format tried saying why it
@@ -68,11 +69,14 @@ INT4_GROUP_SIZE = 32
 # (docs/benchmarks.md, *Issue 14, fourth step*).
 INT4_MAX_ROWS = 8
 # The int8 groups of an LM head on llama.cpp's Q8_0 grid, and how many rows its
-# layout interleaves: one AVX-512 vector of fp32 (two of AVX2's). Measured on
-# SmolLM2's head (49152 x 576, 2 threads, AVX-512): 1.1 ms a token, against
-# 1.3-2.2 for fbgemm's fp16 (docs/benchmarks.md, *Issue 14, seventh step*).
+# layout interleaves: one AVX-512 vector of fp32. Measured on SmolLM2's head
+# (49152 x 576, 2 threads): 1.1 ms a token with AVX-512, against 1.3-2.2 for
+# fbgemm's fp16; the same loop in AVX2 code took 3.9 ms, so only CPUs whose
+# vector code torch and inductor run in AVX-512 take it (docs/benchmarks.md,
+# *Issue 14, seventh step*).
 INT8_GROUP_SIZE = 32
 INT8_ROW_TILE = 16
+INT8_GROUP_CPU_CAPABILITIES = ("AVX512",)
 # Packed weights whose probe logits differ from the loaded weights' by more
 # than this (relative L2) are not used. Measured: float16 0.04 % on SmolLM2
 # and 0.03 % on the tests' tiny model; int8 26 % and 2.4 %.
@@ -504,7 +508,8 @@ def _pack_head(weight: torch.Tensor, packer: Packer) -> PackedLinear:
     """The LM head (often the tied embedding, often kept finer than the layers):
     ``packer``'s form for eager calls (int4 keeps fp16 off its grid; fp16 without a
     plain copy, which no graph traces), with its exact int8 form for compiled graphs
-    where it lies on a Q8_0 grid (the packaged model's does)."""
+    where it lies on a Q8_0 grid (the packaged model's does) and the CPU's vector
+    code is AVX-512 (``INT8_GROUP_CPU_CAPABILITIES``)."""
     eager: Int8Linear | Float16Linear | Int4Linear
     if packer is Int4Linear:
         eager = Int4Linear.pack(weight, off_grid_ok=True)
@@ -512,6 +517,8 @@ def _pack_head(weight: torch.Tensor, packer: Packer) -> PackedLinear:
         eager = Float16Linear.pack(weight, traceable=False)
     else:
         eager = packer.pack(weight)
+    if torch.backends.cpu.get_cpu_capability() not in INT8_GROUP_CPU_CAPABILITIES:
+        return eager
     try:
         return WithTracedForm(eager, Int8GroupLinear.pack(weight))
     except PackError:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from gpu_worker import compiled_decode
+from gpu_worker import compiled_decode, quantized_linear
 from gpu_worker.__main__ import parse_settings
 from gpu_worker.attention import SequenceLayout
 from gpu_worker.attention_cpu import CpuAttention
@@ -243,6 +243,8 @@ def test_float16_layers_compile_and_decode_as_their_eager_kernel(
     their plain fp16 copies in the graph, and a head on a Q8_0 grid as its int8 form
     in the graph; the same tokens either way. Compiled while the float32 model's
     graph exists (``compiled_engine``): each runner has its own."""
+    here = torch.backends.cpu.get_cpu_capability()  # its int8 head form, on AVX2 too
+    monkeypatch.setattr(quantized_linear, "INT8_GROUP_CPU_CAPABILITIES", (here,))
     model_dir = write_tiny_model(tmp_path / "tiny", "llama")
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, torch.device("cpu"), torch.float32)

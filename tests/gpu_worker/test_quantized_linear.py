@@ -172,10 +172,13 @@ def test_an_int8_group_head_refuses_what_it_cannot_hold(weight, reason):
         Int8GroupLinear.pack(weight)
 
 
-def test_a_q8_0_head_gets_its_int8_form_for_graphs_and_fbgemm_eagerly(tiny_dir, tmp_path):
+def test_a_q8_0_head_gets_its_int8_form_for_graphs_and_fbgemm_eagerly(tiny_dir, monkeypatch):
     """float16: the head on a Q8_0 grid (the packaged model's embedding) is fbgemm's
-    fp16 eagerly (no plain copy: no graph reads it) and the int8 form inside graphs;
-    the layers keep their traceable copies; off the grid the head is fbgemm's alone."""
+    fp16 eagerly (no plain copy: no graph reads it) and the int8 form inside graphs
+    (said to be AVX-512 code here); the layers keep their traceable copies; off the
+    grid, or where the vector code is AVX2, the head is fbgemm's alone."""
+    here = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(quantized_linear, "INT8_GROUP_CPU_CAPABILITIES", (here,))
     weights = load_weights(tiny_dir, load_model_config(tiny_dir), CPU, torch.float32)
     head = on_a_q8_0_grid(weights.lm_head)
     snapped = dataclasses.replace(weights, embed_tokens=head, lm_head=head)
@@ -189,6 +192,9 @@ def test_a_q8_0_head_gets_its_int8_form_for_graphs_and_fbgemm_eagerly(tiny_dir, 
     off_grid = pack_weights(weights, "float16", CPU, torch.float32).lm_head
     assert isinstance(off_grid, Float16Linear) and not traceable(off_grid)
     assert not traceable(Int8Linear.pack(head))
+    monkeypatch.setattr(quantized_linear, "INT8_GROUP_CPU_CAPABILITIES", ())  # AVX2: 3.5x slower
+    avx2 = pack_weights(snapped, "float16", CPU, torch.float32).lm_head
+    assert isinstance(avx2, Float16Linear) and not traceable(avx2)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (7, 13), (96, 64), (160, 64), (576, 1536), (3072, 576)])
