@@ -2,6 +2,7 @@
 
     python bench/engine.py [--quick] [--dtype float32,bfloat16] [--backends reference,cpu]
                            [--batches 1,8,32,64] [--context 256] [--model DIR | --config tiny]
+                           [--weights F] [--no-compile-decode] [--steps N]
 
 Each step is timed by wall clock around ``Engine.step`` (plan checks, forward,
 sampling) or around transformers' forward; both sides compute logits only for
@@ -9,7 +10,10 @@ the rows they sample (``logits_to_keep=1``). Per dtype it measures:
 
 1. decode: one step of B requests that each attend exactly ``--context``
    tokens (median of ``--steps``), our ``reference`` and ``cpu`` attention
-   backends beside transformers' batched forward on a StaticCache;
+   backends beside transformers' batched forward on a StaticCache, taking turns
+   step by step (this machine's speed drifts within minutes); ours with the
+   worker's compiled decodes unless ``--no-compile-decode`` (a lone decode's
+   graph, batches' compiled attention);
 2. prefill: one request of 512 tokens in one step;
 3. mixed: 8 prompts, lengths from U(32, 512) (seed 0), in one step: ours
    flattened with no padding, transformers right-padded to the longest;
@@ -173,8 +177,28 @@ def our_prefill_s(engine: Engine, prompts: list[list[int]], repeats: int) -> flo
     return seconds
 
 
-def their_decode_s(model: Any, batch: int, context: int, steps: int, vocab: int) -> float:
-    """One StaticCache per batch size, filled by a real prefill of ``context - 1`` tokens.
+def interleaved_median_s(
+    runs: list[tuple[Callable[[], object], Callable[[], object]]], num_steps: int
+) -> list[float]:
+    """Median seconds of each ``(run, before)`` over ``num_steps`` calls after one
+    untimed warm-up, the runs taking turns call by call: this machine's speed drifts
+    by tens of per cent within minutes, and taking turns gives each side the same."""
+    times: list[list[float]] = [[] for _ in runs]
+    for index in range(num_steps + 1):
+        for (run, before), bucket in zip(runs, times, strict=True):
+            before()
+            started = time.perf_counter()
+            run()
+            if index:
+                bucket.append(time.perf_counter() - started)
+    return [statistics.median(bucket) for bucket in times]
+
+
+def their_decode_step(
+    model: Any, batch: int, context: int, vocab: int
+) -> tuple[Callable[[], object], Callable[[], None]]:
+    """A decode step of ``batch`` requests on a StaticCache filled by a real prefill of
+    ``context - 1`` tokens, and what restarts it.
 
     transformers 5 takes positions from the cache's own length, not from
     ``cache_position``; resetting that length before each step makes every timed
@@ -188,6 +212,12 @@ def their_decode_s(model: Any, batch: int, context: int, steps: int, vocab: int)
         for layer in cache.layers:
             layer.cumulative_length.fill_(context - 1)
 
+    return step, restart
+
+
+def their_decode_s(model: Any, batch: int, context: int, steps: int, vocab: int) -> float:
+    """Median seconds of ``their_decode_step``."""
+    step, restart = their_decode_step(model, batch, context, vocab)
     return median_s(step, steps, restart)
 
 
@@ -210,7 +240,9 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
         num_bytes=num_blocks * bytes_per_block(config, BLOCK_SIZE, ours.dtype),
         block_size=BLOCK_SIZE,
     )
-    engine = Engine(ours, budget, "cpu")
+    engine = Engine(ours, budget, "cpu", compile_decode=args.compile_decode)
+    # The compiled decode attention (None without --compile-decode), kept across the sweep.
+    decode_kernel = getattr(engine.backend, "decode_kernel", None)
     request_ids = [f"r{i}" for i in range(max_batch)]
     fill_s = []
     for start in range(0, max_batch, FILL_GROUP):
@@ -223,14 +255,26 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
     new, attended = group_size * (context - 1), group_size * prefill_attended(context - 1)
     rows.append(row("prefill fill", dtype_name, "cpu", group_size, new, attended, fill_median))
 
-    for backend_name in args.backends:
-        engine.backend = make_backend(backend_name, ours.dtype)
-        for batch in args.batches:
+    backends = {name: make_backend(name, ours.dtype, decode_kernel) for name in args.backends}
+    for batch in args.batches:
+        # Ours with each backend and theirs taking turns step by step.
+        runs = []
+        for backend in backends.values():
+
+            def before(backend: Any = backend, batch: int = batch) -> None:
+                engine.backend = backend
+                rewind(engine, request_ids[:batch], context - 1)
+
             decode = StepPlan("bench", 0, 0, decode_request_ids=request_ids[:batch])
-            restart = partial(rewind, engine, request_ids[:batch], context - 1)
-            step_s = median_s(partial(engine.step, decode), args.steps, restart)
+            runs.append((partial(engine.step, decode), before))
+        runs.append(their_decode_step(theirs, batch, context, config.vocab_size))
+        *ours_s, their_s = interleaved_median_s(runs, args.steps)
+        for backend_name, step_s in zip(backends, ours_s, strict=True):
             rows.append(row("decode", dtype_name, backend_name, batch, batch, batch * context,
                             step_s))  # fmt: skip
+        rows.append(row("decode", dtype_name, "transformers", batch, batch, None, their_s))
+    for backend_name, backend in backends.items():
+        engine.backend = backend
         step_s = our_prefill_s(engine, [tokens(args.prefill_len)], args.repeats)
         attended = prefill_attended(args.prefill_len)
         rows.append(row("prefill", dtype_name, backend_name, 1, args.prefill_len, attended, step_s))
@@ -238,9 +282,6 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
         new, attended = sum(map(len, mixed)), sum(prefill_attended(len(p)) for p in mixed)
         rows.append(row("mixed", dtype_name, backend_name, len(mixed), new, attended, step_s))
 
-    for batch in args.batches:
-        step_s = their_decode_s(theirs, batch, context, args.steps, config.vocab_size)
-        rows.append(row("decode", dtype_name, "transformers", batch, batch, None, step_s))
     prompt = torch.tensor([tokens(args.prefill_len)])
     step_s = median_s(partial(theirs, prompt, logits_to_keep=1), args.repeats)
     rows.append(row("prefill", dtype_name, "transformers", 1, args.prefill_len, None, step_s))
@@ -382,6 +423,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--weights", choices=WEIGHT_FORMATS, default="float32",
         help="ours packed so (the worker's --weights; float32: exact, as transformers)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-decode", action=argparse.BooleanOptionalAction, default=True,
+        help="ours with the worker's compiled decodes (a lone one's graph, batches' attention)",
     )  # fmt: skip
     parser.add_argument("--batches", help="decode batch sizes (default 1,8,32,64; quick 1,8)")
     parser.add_argument("--context", type=int, help="decode context (default 256; quick 32)")

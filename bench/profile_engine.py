@@ -1,10 +1,13 @@
 """Where an engine step's time goes on the CPU: matmuls, attention, pointwise ops, host work.
 
     python bench/profile_engine.py [--model DIR] [--scenarios decode_b1,decode_b64,prefill,mixed]
-                                   [--context 512] [--no-py-spy] [--out FILE.json]
+                                   [--context 512] [--weights F] [--compile-decode]
+                                   [--no-py-spy] [--out FILE.json]
 
-Drives ``Engine.step`` directly on the packaged model (fp32, the ``cpu``
-attention backend, 2 intra-op threads) for four steps:
+Drives ``Engine.step`` directly on the packaged model (fp32 activations, the
+``cpu`` attention backend, 2 intra-op threads; eager unless ``--compile-decode``,
+the worker's default: a lone decode's graph then shows as one call, a batch's
+compiled attention as "attention") for four steps:
 
 - ``decode_b1``: one request decoding at context ``--context`` (512);
 - ``decode_b64``: 64 requests decoding, each at context 512;
@@ -172,7 +175,7 @@ def instrument(engine: Engine, timer: RegionTimer) -> Callable[[], None]:
 class Scenarios:
     """An engine holding 64 requests at context ``context - 1``, and the four steps."""
 
-    def __init__(self, model: LlamaModel, context: int) -> None:
+    def __init__(self, model: LlamaModel, context: int, compile_decode: bool = False) -> None:
         self.context = context
         num_blocks = MAX_BATCH * blocks_for(context, BLOCK_SIZE) + 2 * blocks_for(
             PREFILL_LEN, BLOCK_SIZE
@@ -181,7 +184,7 @@ class Scenarios:
             num_bytes=num_blocks * bytes_per_block(model.config, BLOCK_SIZE, model.dtype),
             block_size=BLOCK_SIZE,
         )
-        self.engine = Engine(model, budget, "cpu")
+        self.engine = Engine(model, budget, "cpu", compile_decode=compile_decode)
         self.vocab = model.config.vocab_size
         generator = torch.Generator().manual_seed(0)
         self.prompt = torch.randint(3, self.vocab, (PREFILL_LEN,), generator=generator).tolist()
@@ -340,7 +343,7 @@ def aten_breakdown(scenarios: Scenarios, name: str, top: int = 12) -> dict[str, 
 
 
 def py_spy_breakdown(
-    model_dir: Path, context: int, name: str, weight_format: str
+    model_dir: Path, context: int, name: str, weight_format: str, compile_decode: bool
 ) -> dict[str, Any]:
     """Sample a child process that loops the step; classify each sample's innermost frame."""
     py_spy = Path(sys.executable).with_name("py-spy")
@@ -349,6 +352,8 @@ def py_spy_breakdown(
     script = str(Path(__file__).resolve())
     child_args = [sys.executable, script, "--loop", name, "--context", str(context),
                   "--weights", weight_format]  # fmt: skip
+    if compile_decode:
+        child_args.append("--compile-decode")
     child = subprocess.Popen(
         [*child_args, "--model", str(model_dir)], stdout=subprocess.PIPE, text=True
     )
@@ -415,9 +420,12 @@ def narrow_twin(model: LlamaModel) -> LlamaModel:
     return LlamaModel(config, random_weights(config, cpu, torch.float32), cpu, torch.float32)
 
 
-def loop_forever(model_dir: Path, context: int, name: str, weight_format: str) -> None:
+def loop_forever(
+    model_dir: Path, context: int, name: str, weight_format: str, compile_decode: bool
+) -> None:
     """The py-spy target: set up, say ready, then step until terminated."""
-    scenarios = Scenarios(load_model(model_dir, "cpu", "float32", weight_format), context)
+    model = load_model(model_dir, "cpu", "float32", weight_format)
+    scenarios = Scenarios(model, context, compile_decode)
     run, reset = scenarios.step_and_reset(name)
     reset()
     run()
@@ -496,6 +504,10 @@ def main() -> None:
     parser.add_argument(
         "--weights", choices=WEIGHT_FORMATS, default="float32", help="the worker's --weights"
     )
+    parser.add_argument(
+        "--compile-decode", action="store_true",
+        help="the worker's compiled decodes (a lone one's graph, batches' attention)",
+    )  # fmt: skip
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--no-narrow", action="store_true", help="skip the narrow-twin decode")
     parser.add_argument("--loop", choices=SCENARIOS, help=argparse.SUPPRESS)
@@ -504,11 +516,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = model_location(model_dir=args.model).model_dir
     if args.loop:
-        loop_forever(model_dir, args.context, args.loop, args.weights)
+        loop_forever(model_dir, args.context, args.loop, args.weights, args.compile_decode)
         return
     started = time.perf_counter()
     model = load_model(model_dir, "cpu", "float32", args.weights)
-    scenarios = Scenarios(model, args.context)
+    scenarios = Scenarios(model, args.context, args.compile_decode)
     results: dict[str, Any] = {"machine": machine(), "model_dir": str(model_dir),
                                "context": args.context, "weights": args.weights,
                                "scenarios": {}}  # fmt: skip
@@ -532,7 +544,7 @@ def main() -> None:
         for name in [n for n in results["scenarios"] if n in SCENARIOS]:
             print(f"py-spy {name} ...", file=sys.stderr, flush=True)
             results["scenarios"][name]["py_spy"] = py_spy_breakdown(
-                model_dir, args.context, name, args.weights
+                model_dir, args.context, name, args.weights, args.compile_decode
             )
     results["wall_s"] = time.perf_counter() - started
     print_tables(results)

@@ -70,7 +70,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         action=argparse.BooleanOptionalAction,
         default=flag_environment_default("compile_decode", DEFAULTS["compile_decode"], env_bool),
         help="on the CPU, run a lone request's decode steps through one graph compiled at "
-        "start (torch.compile; tens of seconds the first time, cached in "
+        "start, and other steps' decodes through a compiled attention that reads the K/V "
+        "pool in place (torch.compile; tens of seconds the first time, cached in "
         "$TORCHINDUCTOR_CACHE_DIR, default the cache dir's inductor/; where it cannot, "
         "the eager forward, with a log line) ($ORCAPOD_COMPILE_DECODE: 1 or 0)",
     )

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.decode_attention import CompiledDecodeAttention
 
 
 @dataclass(frozen=True)
@@ -132,15 +135,18 @@ def triton_available() -> bool:
     return True
 
 
-def make_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
-    """The backend called ``name`` (BACKEND_NAMES or CUDA_BACKEND_NAMES) computing in ``dtype``."""
+def make_backend(
+    name: str, dtype: torch.dtype, decode_kernel: CompiledDecodeAttention | None = None
+) -> AttentionBackend:
+    """The backend called ``name`` (BACKEND_NAMES or CUDA_BACKEND_NAMES) computing in
+    ``dtype``; ``cpu`` runs batched decodes through ``decode_kernel`` where given."""
     from gpu_worker.attention_cpu import CpuAttention
     from gpu_worker.attention_reference import ReferenceAttention
 
     if name == "reference":
         return ReferenceAttention()
     if name == "cpu":
-        return CpuAttention(dtype)
+        return CpuAttention(dtype, decode_kernel)
     if name == "triton":
         if not triton_available():
             raise BackendUnavailableError(

@@ -1,9 +1,11 @@
 """Vectorised attention for the CPU: all requests in a few ops from the block tables.
 
-Decoding requests (one new token each) are one batched SDPA call over their
-gathered, padded K/V; prompt chunks are a second call padded to the longest
-chunk. Splitting the two keeps a long prefill from padding every decode's
-query to its length.
+Decoding requests (one new token each) are one batched call: the compiled
+decode attention (``decode_attention.py``), which reads their blocks in the
+pool, where the engine has one (two requests or more), else one SDPA call
+over their gathered, padded K/V; prompt chunks are a second SDPA call padded
+to the longest chunk. Splitting the two keeps a long prefill from padding
+every decode's query to its length.
 
 Three choices make this as fast as attention over a contiguous static cache
 (measured in bench/engine.py and bench/profile_engine.py): K/V are gathered
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention import SequenceLayout, block_ids, causal_mask
+from gpu_worker.decode_attention import MIN_BLOCKS, CompiledDecodeAttention
 
 _SHRINK_FACTOR = 4
 
@@ -47,10 +50,18 @@ class _Group:
     # (a lone chat, as the ledger hands out blocks): its K/V is read in place,
     # a view of the pool, instead of copied.
     block_slice: tuple[int, int] | None
+    # For the compiled decode attention (decodes only, where it fits): each request's
+    # block ids, padded to at least MIN_BLOCKS, and its new token's position.
+    decode_block_ids: torch.Tensor | None = None  # [B, max(max_blocks, MIN_BLOCKS)]
+    decode_positions: torch.Tensor | None = None  # [B]
 
 
 def _group(
-    layout: list[SequenceLayout], block_size: int, device: torch.device, dtype: torch.dtype
+    layout: list[SequenceLayout],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    decode_kernel: CompiledDecodeAttention | None = None,
 ) -> _Group:
     num_query_tokens = [sequence.num_query_tokens for sequence in layout]
     # Whole-batch ops, no torch op per request: row r holds query_start + 0, 1, ...
@@ -72,6 +83,12 @@ def _group(
     consecutive = (
         len(layout) == 1 and bool(table) and table == list(range(table[0], table[0] + len(table)))
     )
+    decode_block_ids = decode_positions = None
+    if decode_kernel is not None and max(num_query_tokens) == 1:
+        padding = max(0, MIN_BLOCKS - tables.shape[1])  # block 0, past every position: masked
+        decode_block_ids = F.pad(tables, (0, padding))
+        positions = [sequence.num_cached_tokens for sequence in layout]
+        decode_positions = torch.tensor(positions, dtype=torch.int64, device=device)
     return _Group(
         query_rows=query_rows.to(device),
         valid=valid.to(device),
@@ -82,16 +99,25 @@ def _group(
         output_rows=query_rows[valid].to(device),
         row_slice=(first, first + len(layout)) if in_order else None,
         block_slice=(table[0], len(table)) if consecutive else None,
+        decode_block_ids=decode_block_ids,
+        decode_positions=decode_positions,
     )
 
 
 class CpuAttention:
-    """Two batched SDPA calls per layer: decodes, then prompt chunks."""
+    """Two batched calls per layer: decodes, then prompt chunks."""
 
     name = "cpu"
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float32,
+        decode_kernel: CompiledDecodeAttention | None = None,
+    ) -> None:
+        """``decode_kernel``: the compiled decode attention, for steps of two decodes
+        or more (None: SDPA over copied blocks for every group)."""
         self.dtype = dtype
+        self.decode_kernel = decode_kernel
         # Gather buffers, by (group, keys or values): grown as needed, and
         # shrunk once far larger than what a step needs.
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
@@ -128,9 +154,12 @@ class CpuAttention:
         """Gather indices and masks for the decode group and the prefill group."""
         decodes = [s for s in layout if s.num_query_tokens == 1]
         prefills = [s for s in layout if s.num_query_tokens > 1]
-        return [
-            _group(part, block_size, device, self.dtype) for part in (decodes, prefills) if part
-        ]
+        groups = []
+        if decodes:
+            groups.append(_group(decodes, block_size, device, self.dtype, self.decode_kernel))
+        if prefills:
+            groups.append(_group(prefills, block_size, device, self.dtype))
+        return groups
 
     def attend(
         self,
@@ -143,7 +172,22 @@ class CpuAttention:
         assert isinstance(prepared, list)
         output = torch.empty_like(queries)  # [T, heads, head_dim]
         for index, group in enumerate(prepared):
-            if group.row_slice is not None:
+            kernel = self.decode_kernel
+            if (
+                kernel is not None
+                and group.decode_block_ids is not None
+                and group.decode_positions is not None
+                and kernel.fits(
+                    len(group.decode_block_ids), group.decode_block_ids.shape[1], queries, keys
+                )
+            ):
+                rows: slice | torch.Tensor = group.output_rows
+                if group.row_slice is not None:
+                    rows = slice(*group.row_slice)
+                output[rows] = kernel(
+                    queries[rows], keys, values, group.decode_block_ids, group.decode_positions
+                )
+            elif group.row_slice is not None:
                 first, end = group.row_slice
                 query = queries[first:end].unsqueeze(2)  # [B, heads, 1, head_dim]
                 output[first:end] = self._attend_group(query, keys, values, group, index)[:, :, 0]

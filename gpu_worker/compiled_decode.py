@@ -32,22 +32,19 @@ from __future__ import annotations
 
 import os
 import time
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 import torch
 
 from gpu_worker.attention import SequenceLayout
+from gpu_worker.decode_attention import MIN_BLOCKS, paged_decode_attention, pool_blocks
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.quantized_linear import traceable
+from gpu_worker.unguarded_compile import compile_unguarded, max_relative_error
 
-# torch specializes dimensions of size 0 and 1: a request's block ids are
-# padded (with its own last block, masked) to at least this many.
-MIN_BLOCKS = 2
 # How far the compiled step's logits may stray from the eager forward's on the
 # warm-up step, relative to the largest logit (fused loops round differently).
 MAX_LOGIT_ERROR = 1e-3
@@ -129,33 +126,20 @@ class LoneDecodeAttention:
     def attend(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prepared: object
     ) -> torch.Tensor:
-        """``queries`` [1, heads, head_dim] -> [1, heads, head_dim], written as products,
-        sums and a softmax that inductor fuses with the gather of the blocks into a few
-        loops reading the request's keys and values where they lie: SDPA's kernel
-        cost tens of microseconds a layer at one query, on blocks copied for it
-        (a token 10 % faster at 128 tokens of context, 17 % at 1,200:
-        docs/benchmarks.md, *Issue 14, seventh step*)."""
+        """``queries`` [1, heads, head_dim] -> [1, heads, head_dim]: the paged decode
+        attention, which inductor fuses with the gather of the blocks into a few loops
+        reading the request's keys and values where they lie (SDPA's kernel cost tens
+        of microseconds a layer at one query, on blocks copied for it: a token 10 %
+        faster at 128 tokens of context, 17 % at 1,200: docs/benchmarks.md,
+        *Issue 14, seventh step*)."""
         assert isinstance(prepared, LoneDecodePlan)
-        num_slots, num_kv_heads, head_dim = keys.shape
-        _, num_heads, _ = queries.shape
-        block_size, num_blocks = self.block_size, len(prepared.block_ids)
-        pool = (num_slots // block_size, block_size, num_kv_heads, head_dim)
-        # [kv_heads, 1, blocks, block_size, head_dim]: each kv head's slots, by block;
-        # its query heads broadcast beside. Every sum below runs over at most the
-        # blocks or a block's slots: inductor guards fp32 sums of more than 4,096
-        # values (its chunked accumulation), which would cap the graph's context.
-        key = keys.view(pool)[prepared.block_ids].permute(2, 0, 1, 3)[:, None]
-        value = values.view(pool)[prepared.block_ids].permute(2, 0, 1, 3)[:, None]
-        grouped = queries.view(num_kv_heads, num_heads // num_kv_heads, 1, 1, head_dim)
-        scores = (grouped * head_dim**-0.5 * key).sum(-1)  # [kv_heads, group, blocks, slots]
-        slots = torch.arange(num_blocks * block_size, device=queries.device)
-        scores = scores.masked_fill(
-            (slots > prepared.position).view(num_blocks, block_size), float("-inf")
+        return paged_decode_attention(
+            queries,
+            pool_blocks(keys, self.block_size),
+            pool_blocks(values, self.block_size),
+            prepared.block_ids[None],
+            prepared.position,
         )
-        exponents = (scores - scores.amax((-2, -1), keepdim=True)).exp()
-        total = exponents.sum(-1).sum(-1)  # [kv_heads, group]
-        weighted = (exponents[..., None] * value).sum(-2).sum(-2)  # [kv_heads, group, head_dim]
-        return (weighted / total[..., None]).reshape(1, num_heads, head_dim)
 
 
 class CompiledDecode:
@@ -183,17 +167,7 @@ class CompiledDecode:
         self._max_blocks = max(
             MIN_BLOCKS + 1, -(-model.config.max_position_embeddings // block_size)
         )
-        self._compiled = torch.compile(
-            types.MethodType(_with_own_code(CompiledDecode._forward), self),
-            fullgraph=True,  # a graph break would be a silent slowdown: fail, run eagerly
-            dynamic=False,
-            options={
-                "guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
-                # Checks of every input's sizes and strides at each call: hundreds of
-                # weights whose shapes never change.
-                "size_asserts": False,
-            },
-        )
+        self._compiled = compile_unguarded(CompiledDecode._forward, bound_to=self)
         # The worker is silent while this runs: say why, and where the result is kept.
         _log.info(
             "compiling_decode",
@@ -267,27 +241,13 @@ class CompiledDecode:
             attention_plan=backend.prepare(layout, block_size, self.model.device),
             logits_rows=self._logits_rows,
         )
-        logit_error = float((compiled - eager).abs().max() / eager.abs().max().clamp_min(1e-30))
+        logit_error = max_relative_error(compiled, eager)
         if not logit_error <= MAX_LOGIT_ERROR:  # NaN too
             raise DecodeCompileError(
                 f"compiled logits stray {logit_error:.2g} from the eager forward's"
             )
         _log.info("decode_compiled", compile_s=round(compile_s, 1), logit_error=logit_error)
         return compile_s
-
-
-def _with_own_code(function: Callable[..., Any]) -> types.FunctionType:
-    """A copy of ``function`` with a code object of its own. Dynamo keeps its graphs
-    per code object and, with the guards skipped, would run the first runner's
-    graph (its weights' forms, its K/V pool's tensors) for every later one."""
-    assert isinstance(function, types.FunctionType)
-    return types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
 
 
 def untraceable_matrices(model: LlamaModel) -> int:

@@ -33,6 +33,7 @@ from gpu_worker.attention import (
 )
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.compiled_decode import CompiledDecode, DecodeRunner, compiled_decode_or_none
+from gpu_worker.decode_attention import compiled_decode_attention_or_none
 from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
@@ -155,7 +156,9 @@ class Engine:
         """``use_cuda_graphs`` replays captured graphs for decode-only steps; it takes
         effect on CUDA only (needs the ``triton`` backend) and is ignored on the CPU.
         ``compile_decode`` runs a lone request's decode steps through one compiled
-        graph on the CPU (``compiled_decode.py``; where it cannot, a log line says why)."""
+        graph on the CPU (``compiled_decode.py``), and every other step's decodes
+        through the compiled decode attention (``decode_attention.py``) where the
+        backend is ``cpu``; where either cannot be compiled, a log line says why."""
         budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
@@ -163,9 +166,15 @@ class Engine:
         self.kv_cache = PagedKVCache(
             model.config, num_blocks, budget.block_size, model.device, model.dtype
         )
-        self.backend: AttentionBackend = make_backend(
-            attention_backend or default_backend_name(model.device), model.dtype
-        )
+        backend_name = attention_backend or default_backend_name(model.device)
+        decode_kernel = None
+        if compile_decode and backend_name == "cpu" and model.device.type == "cpu":
+            config = model.config
+            decode_kernel = compiled_decode_attention_or_none(
+                config.num_kv_heads, config.num_heads, config.head_dim,
+                config.max_position_embeddings, budget.block_size, model.dtype,
+            )  # fmt: skip
+        self.backend: AttentionBackend = make_backend(backend_name, model.dtype, decode_kernel)
         self._decode_runner: DecodeRunner | None = None
         if use_cuda_graphs and model.device.type == "cuda":
             from gpu_worker.cuda_graphs import DecodeGraphRunner

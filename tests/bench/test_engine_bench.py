@@ -16,7 +16,9 @@ def test_quick_run_writes_results_and_a_positive_cost_model(tmp_path: Path) -> N
     spec.loader.exec_module(bench)
     out = tmp_path / "engine.json"
 
-    bench.main(["--quick", "--config", "tiny", "--dtype", "float32", "--out", str(out)])
+    # Uncompiled: the compiled decodes are tests/gpu_worker's (a compile here is 20 s).
+    argv = ["--quick", "--config", "tiny", "--dtype", "float32", "--no-compile-decode"]
+    bench.main([*argv, "--out", str(out)])
 
     result = json.loads(out.read_text())
     assert {"machine", "results", "overhead", "targets", "cost_model"} <= result.keys()

@@ -13,20 +13,10 @@ import torch
 from gpu_worker.attention import SequenceLayout, block_ids
 from gpu_worker.attention_cpu import CpuAttention
 from gpu_worker.attention_reference import ReferenceAttention
+from tests.gpu_worker.layouts import shuffled_layout
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
-
-
-def _layout(rng: random.Random, shapes: list[tuple[int, int]], num_blocks: int):
-    free_blocks = list(range(num_blocks))
-    rng.shuffle(free_blocks)
-    layout, query_start = [], 0
-    for num_query, num_cached in shapes:
-        table = [free_blocks.pop() for _ in range(-(-(num_query + num_cached) // BLOCK_SIZE))]
-        layout.append(SequenceLayout(query_start, num_query, num_cached, table))
-        query_start += num_query
-    return layout
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -38,7 +28,7 @@ def test_a_mixed_step_matches_the_reference(seed: int, num_heads: int, num_kv_he
     shapes += [(rng.randint(2, 11), rng.choice(edges)) for _ in range(rng.randint(0, 4))]
     rng.shuffle(shapes)  # decodes and chunks interleaved in the flattened batch
     num_blocks = 200
-    layout = _layout(rng, shapes, num_blocks)
+    layout = shuffled_layout(rng, shapes, num_blocks, BLOCK_SIZE)
     generator = torch.Generator().manual_seed(seed)
     num_tokens, head_dim = sum(q for q, _ in shapes), 8
     queries = torch.randn(num_tokens, num_heads, head_dim, generator=generator)

@@ -1,0 +1,268 @@
+"""The paged decode attention (gpu_worker/decode_attention.py) against the literal
+split/merge reference: uncompiled for every shape, compiled once (a few seconds)
+for batches of decodes in shuffled blocks, alone and beside prompt chunks; the
+CPU backend's choice between it and SDPA; and the ways a compile is refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from gpu_worker import decode_attention
+from gpu_worker.attention import SequenceLayout
+from gpu_worker.attention_cpu import CpuAttention
+from gpu_worker.attention_reference import ReferenceAttention
+from gpu_worker.decode_attention import (
+    MIN_BLOCKS,
+    MIN_COMPILED_BLOCKS,
+    CompiledDecodeAttention,
+    compiled_decode_attention_or_none,
+    paged_decode_attention,
+    pool_blocks,
+)
+from gpu_worker.engine import Engine, load_model
+from gpu_worker.kv_cache import KVCacheBudget
+from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+from tests.gpu_worker.layouts import shuffled_layout
+from tests.gpu_worker.tiny_models import write_tiny_model
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 4
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
+NUM_POOL_BLOCKS = 256
+GREEDY = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> CompiledDecodeAttention:
+    return CompiledDecodeAttention(
+        NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, max_blocks=64, dtype=torch.float32
+    )
+
+
+def _pool(seed: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (NUM_POOL_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return scale * torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def _layout(rng: random.Random, shapes: list[tuple[int, int]]) -> list[SequenceLayout]:
+    """(new tokens, cached tokens) per request, in shuffled blocks of the pool."""
+    return shuffled_layout(rng, shapes, NUM_POOL_BLOCKS, BLOCK_SIZE)
+
+
+def _reference(layout, queries, keys, values) -> torch.Tensor:
+    reference = ReferenceAttention()
+    return reference.attend(queries, keys, values, reference.prepare(layout, BLOCK_SIZE, CPU))
+
+
+# Every offset within a block, the first position, and lengths of many blocks.
+EDGES = [0, 1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 7 * BLOCK_SIZE - 1, 40]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_kv_heads", [NUM_HEADS, 1], ids=["mha", "mqa"])
+def test_the_uncompiled_function_matches_the_reference(seed: int, num_kv_heads: int) -> None:
+    rng = random.Random(seed)
+    layout = _layout(rng, [(1, rng.choice(EDGES)) for _ in range(rng.randint(1, 9))])
+    generator = torch.Generator().manual_seed(seed)
+    shape = (NUM_POOL_BLOCKS * BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    keys, values = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    queries = torch.randn(len(layout), NUM_HEADS, HEAD_DIM, generator=generator)
+    # Padded with block 0 (past every position) to the longest table, as the backend does.
+    width = max(MIN_BLOCKS, *(len(sequence.block_table) for sequence in layout))
+    block_ids = torch.tensor(
+        [s.block_table + [0] * (width - len(s.block_table)) for s in layout], dtype=torch.int64
+    )
+    positions = torch.tensor([s.num_cached_tokens for s in layout])
+
+    actual = paged_decode_attention(
+        queries,
+        pool_blocks(keys, BLOCK_SIZE),
+        pool_blocks(values, BLOCK_SIZE),
+        block_ids,
+        positions,
+    )
+
+    torch.testing.assert_close(actual, _reference(layout, queries, keys, values))
+
+
+def _counting(monkeypatch, kernel: CompiledDecodeAttention) -> list[tuple[int, int]]:
+    """(requests, blocks each) of every call the graph takes."""
+    calls: list[tuple[int, int]] = []
+    compiled = kernel._compiled
+
+    def counted(queries, key_blocks, value_blocks, block_ids, positions):
+        calls.append(tuple(block_ids.shape))
+        return compiled(queries, key_blocks, value_blocks, block_ids, positions)
+
+    monkeypatch.setattr(kernel, "_compiled", counted)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_batches_of_decodes_match_the_reference(kernel, monkeypatch, seed: int) -> None:
+    """Batches of 2 to 40 decodes at every edge length, and pools of another size
+    than the warm-up's: one graph, the reference's result."""
+    calls = _counting(monkeypatch, kernel)
+    rng = random.Random(seed)
+    layout = _layout(rng, [(1, rng.choice(EDGES[1:])) for _ in range(rng.randint(8, 40))])
+    keys, values = _pool(seed)
+    queries = torch.randn(
+        len(layout), NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed)
+    )
+    backend = CpuAttention(decode_kernel=kernel)
+
+    actual = backend.attend(queries, keys, values, backend.prepare(layout, BLOCK_SIZE, CPU))
+
+    torch.testing.assert_close(actual, _reference(layout, queries, keys, values))
+    assert [requests for requests, _ in calls] == [len(layout)]
+
+
+def test_scores_far_apart_stay_finite_and_exact(kernel, monkeypatch) -> None:
+    """Keys 10^4 times larger: scores of hundreds of thousands, one slot takes all the
+    weight; no overflow (the largest score is subtracted before exp)."""
+    calls = _counting(monkeypatch, kernel)
+    layout = _layout(random.Random(9), [(1, 30), (1, 0), (1, 63), (1, 17)])
+    keys, values = _pool(9, scale=1e4)
+    queries = torch.randn(
+        len(layout), NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)
+    )
+    backend = CpuAttention(decode_kernel=kernel)
+
+    actual = backend.attend(queries, keys, values, backend.prepare(layout, BLOCK_SIZE, CPU))
+
+    assert bool(torch.isfinite(actual).all())
+    torch.testing.assert_close(actual, _reference(layout, queries, keys, values))
+    assert len(calls) == 1
+
+
+def test_decodes_beside_prompt_chunks_take_the_graph_and_the_chunks_sdpa(kernel, monkeypatch):
+    """A mixed step in any row order: the decodes' rows through the graph, the chunks'
+    through SDPA, each written back to its own rows."""
+    calls = _counting(monkeypatch, kernel)
+    shapes = [(1, 20), (5, 3), (1, 9), (1, 0), (7, 0), (1, 33), (1, 12), (2, 14)]
+    layout = _layout(random.Random(4), shapes)
+    keys, values = _pool(4)
+    num_tokens = sum(num_query for num_query, _ in shapes)
+    generator = torch.Generator().manual_seed(4)
+    queries = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
+    backend = CpuAttention(decode_kernel=kernel)
+
+    actual = backend.attend(queries, keys, values, backend.prepare(layout, BLOCK_SIZE, CPU))
+
+    torch.testing.assert_close(actual, _reference(layout, queries, keys, values))
+    num_decodes = sum(1 for num_query, _ in shapes if num_query == 1)
+    assert [requests for requests, _ in calls] == [num_decodes]
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [[(1, 60)], [(1, 2), (1, 5)], [(1, 1)] * ((MIN_COMPILED_BLOCKS - 1) // MIN_BLOCKS)],
+    ids=["a lone decode", "two short decodes", "under the threshold"],
+)
+def test_steps_too_small_for_the_graph_take_sdpa(kernel, monkeypatch, shapes) -> None:
+    """One request, or fewer blocks in all than MIN_COMPILED_BLOCKS: SDPA is as fast."""
+    calls = _counting(monkeypatch, kernel)
+    layout = _layout(random.Random(2), shapes)
+    keys, values = _pool(2)
+    queries = torch.randn(
+        len(layout), NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(2)
+    )
+    backend = CpuAttention(decode_kernel=kernel)
+
+    actual = backend.attend(queries, keys, values, backend.prepare(layout, BLOCK_SIZE, CPU))
+
+    torch.testing.assert_close(actual, _reference(layout, queries, keys, values))
+    assert calls == []
+
+
+def test_other_heads_or_dtypes_are_not_the_graphs(kernel) -> None:
+    """It runs without guards, so it must refuse what it was not traced for."""
+    queries = torch.zeros(8, NUM_HEADS, HEAD_DIM)
+    keys = torch.zeros(NUM_POOL_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    assert kernel.fits(8, 4, queries, keys)
+    assert not kernel.fits(8, 4, torch.zeros(8, 2 * NUM_HEADS, HEAD_DIM), keys)
+    assert not kernel.fits(8, 4, queries, torch.zeros(len(keys), 1, HEAD_DIM))
+    assert not kernel.fits(8, 4, queries.double(), keys.double())
+    assert not kernel.fits(8, 4, queries, keys[:-1])  # not whole blocks
+    assert not kernel.fits(8, kernel.max_blocks + 1, queries, keys)
+    assert not kernel.fits(1, 64, queries, keys)
+
+
+def _refused(monkeypatch, fake_compile) -> str:
+    monkeypatch.setattr(decode_attention.torch, "compile", fake_compile)
+    with capture_logs() as logs:
+        kernel = compiled_decode_attention_or_none(
+            NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, 512, BLOCK_SIZE, torch.float32
+        )
+    assert kernel is None
+    (line,) = [entry for entry in logs if entry["event"] == "decode_attention_not_compiled"]
+    return line["reason"]
+
+
+def test_a_compile_that_fails_is_refused_with_its_reason(monkeypatch) -> None:
+    def no_compiler(fn, **options):
+        def fail(*args):
+            raise RuntimeError("no working C++ compiler found")
+
+        return fail
+
+    assert "no working C++ compiler" in _refused(monkeypatch, no_compiler)
+
+
+def test_a_compile_that_strays_is_refused(monkeypatch) -> None:
+    assert "strays" in _refused(monkeypatch, lambda fn, **options: lambda *a: fn(*a) * 1.01)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+    return load_model(model_dir, device="cpu", dtype="float32")
+
+
+def _decode_tokens(model, compile_decode: bool) -> tuple[dict[str, list[int]], Engine]:
+    """Six requests prefilled, then 12 batched decodes (shuffled blocks)."""
+    config = model.config
+    block_bytes = 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
+    engine = Engine(
+        model,
+        KVCacheBudget(num_bytes=NUM_POOL_BLOCKS * block_bytes, block_size=BLOCK_SIZE),
+        "cpu",
+        compile_decode=compile_decode,
+    )
+    rng = random.Random(7)
+    free_blocks = rng.sample(range(NUM_POOL_BLOCKS), 6 * 10)
+    prompts = {f"r{i}": [rng.randrange(3, 90) for _ in range(5 + 3 * i)] for i in range(6)}
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    grants = {rid: [free_blocks.pop() for _ in range(10)] for rid in prompts}
+    output = engine.step(
+        StepPlan(
+            "g", 0, 0,
+            new_requests=[RequestSpec(rid, len(ids), GREEDY) for rid, ids in prompts.items()],
+            prefill_chunks=[PrefillChunk(rid, ids, 0) for rid, ids in prompts.items()],
+            block_grants=grants,
+        )
+    )  # fmt: skip
+    for _ in range(12):
+        for token in output.tokens:
+            tokens[token.request_id].append(token.token_id)
+        output = engine.step(StepPlan("g", 0, 0, decode_request_ids=list(prompts)))
+    return tokens, engine
+
+
+def test_an_engine_decodes_batches_through_the_graph_as_eagerly(tiny_model, monkeypatch):
+    """The worker's engine on the CPU: batched decodes through the compiled attention,
+    the same greedy tokens as the engine without it."""
+    compiled_tokens, engine = _decode_tokens(tiny_model, compile_decode=True)
+    kernel = engine.backend.decode_kernel
+    assert isinstance(kernel, CompiledDecodeAttention)
+    eager_tokens, eager_engine = _decode_tokens(tiny_model, compile_decode=False)
+    assert eager_engine.backend.decode_kernel is None
+    assert compiled_tokens == eager_tokens
+    calls = _counting(monkeypatch, kernel)
+    engine.step(StepPlan("g", 0, 0, decode_request_ids=list(compiled_tokens)))
+    assert calls == [(6, 10)] * tiny_model.config.num_layers
