@@ -41,6 +41,15 @@ class SequenceLayout:
         return self.num_cached_tokens + self.num_query_tokens
 
 
+def decodes_within(layout: list[SequenceLayout], max_blocks: int) -> bool:
+    """Whether every request of the step has one new token (a decode) and a block
+    table of at most ``max_blocks``: what the decode runners' graphs take."""
+    return all(
+        sequence.num_query_tokens == 1 and len(sequence.block_table) <= max_blocks
+        for sequence in layout
+    )
+
+
 def kv_slots(layout: list[SequenceLayout], block_size: int, device: torch.device) -> torch.Tensor:
     """Slot of every K/V token of each request, padded with slot 0: ``[B, max_kv_tokens]``."""
     tables = block_ids(layout, device)

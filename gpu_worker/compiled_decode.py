@@ -1,31 +1,37 @@
-"""A lone request's decode step on the CPU as one compiled graph (torch.compile, inductor).
+"""Decode-only steps on the CPU as compiled graphs (torch.compile, inductor).
 
-On the CPU, a batch-1 decode of a small model is mostly the host's work
-between ops: SmolLM2's step is about 1,300 torch calls from Python, a few
-microseconds each, around 6 ms of matmuls. Inductor traces the model's own
-forward (``final_hidden`` and ``logits``; only ``final_hidden`` where the LM
-head is an fbgemm object alone, which then runs after the graph) once for
-one token, fuses the norms, RoPE, SwiGLU and residual adds into a few C++
-loops per layer and calls the matmul and attention kernels from one
-generated function (an LM head on a Q8_0 grid, as the packaged model's, is
-one such loop over its int8 form: ``Int8GroupLinear``): the CPU's counterpart of the
-CUDA graphs in ``cuda_graphs.py``, for the case a chat is, one request
-decoding alone.
+On the CPU, a decode step of a small model is mostly the host's work between
+ops: SmolLM2's step is about 1,300 torch calls from Python, a few
+microseconds each, around 6 ms of matmuls at one request. Inductor traces the
+model's own forward (``final_hidden`` and ``logits``; only ``final_hidden``
+where the LM head is an fbgemm object alone, or for batches, and the head
+then runs after the graph), fuses the norms, RoPE, SwiGLU and residual adds
+into a few C++ loops per layer and calls the matmul and attention kernels
+from one generated function (an LM head on a Q8_0 grid, as the packaged
+model's, is one such loop over its int8 form in the lone graph:
+``Int8GroupLinear``): the CPU's counterpart of the CUDA graphs in
+``cuda_graphs.py``.
 
-One graph serves every context length: its inputs are the token, its
-position and slot, and the request's block ids, whose count is the graph's
-one dynamic size (``LoneDecodeAttention`` gathers those blocks and masks the
-slots past the position, so nothing else depends on the context). Because
-the runner only ever calls it so (``fits``), the graph runs without dynamo's
-guards, whose checks over hundreds of weight tensors cost most of a
-millisecond a call.
+``CompiledDecode`` keeps one graph for a lone request (a chat) and, where the
+layers allow, one per range of batch sizes (``batch_ranges``: int4's matrices
+change kernel above INT4_MAX_ROWS rows, so a graph each side). Their inputs
+are the tokens, their positions and slots, and the requests' block ids, so
+the number of blocks is a dynamic size of every graph and the number of
+requests of the batch graphs (``GraphDecodeAttention`` gathers the blocks and
+masks the slots past each position: ``decode_attention.py``, traced once as
+a nested compile region and reused by all 30 layers, which halves the
+batch graphs' compile). Because the runner only calls a graph with what it
+was traced for (``fits``), the graphs run without dynamo's guards, whose
+checks over hundreds of weight tensors cost most of a millisecond a call.
 
-Compiling takes tens of seconds on two cores the first time (inductor keeps
-its results in ``TORCHINDUCTOR_CACHE_DIR``; a restart takes a few). It is
-done once, when the runner is built, and checked against the eager forward
-on the same input; where it cannot be done (no C++ compiler, an op inductor
-cannot trace) or its logits stray, ``DecodeCompileError`` says why and the
-engine keeps the eager forward.
+Compiling takes tens of seconds a graph on two cores the first time
+(inductor keeps its results in ``TORCHINDUCTOR_CACHE_DIR``; a restart takes a
+few). It is done once, when the runner is built, and each graph is checked
+against the eager forward on a warm-up step; where the lone graph cannot be
+made (no C++ compiler, an op inductor cannot trace) or its logits stray,
+``DecodeCompileError`` says why and the engine keeps the eager forward; a
+batch graph that cannot be made is left out with a log line, and those
+batches run eagerly.
 """
 
 from __future__ import annotations
@@ -38,18 +44,36 @@ from typing import Protocol
 import structlog
 import torch
 
-from gpu_worker.attention import SequenceLayout
+from gpu_worker.attention import SequenceLayout, decodes_within
 from gpu_worker.decode_attention import MIN_BLOCKS, paged_decode_attention, pool_blocks
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
-from gpu_worker.quantized_linear import traceable
+from gpu_worker.quantized_linear import (
+    INT4_MAX_ROWS,
+    Int4Linear,
+    PackedLinear,
+    traceable,
+    traceable_for_batches,
+)
 from gpu_worker.unguarded_compile import compile_unguarded, max_relative_error
 
+# The largest batch the batch graph takes (a bound dynamo's shape reasoning needs).
+BATCH_MAX_REQUESTS = 4096
 # How far the compiled step's logits may stray from the eager forward's on the
 # warm-up step, relative to the largest logit (fused loops round differently).
 MAX_LOGIT_ERROR = 1e-3
+# The same where the graph's matmuls run in bf16 (int4's copy, for batches): bf16
+# keeps three significant digits, and two bf16 computations rounding in other
+# places drift apart over 30 layers (SmolLM2's batch graph: 1.7 %, while both
+# were 7-9 % from the fp32 logits of the same step); a wrong graph strays by far
+# more, or gives NaN.
+MAX_BF16_LOGIT_ERROR = 5e-2
 
 _log = structlog.get_logger(__name__)
+# Traced once per graph and stamped out for every layer (inductor's codegen of the
+# attention, with its dynamic sizes, was half of a batch graph's compile: 109 s
+# against 79 s for SmolLM2's int4 graph of 2 to 8 requests on two cores).
+_ATTENTION_REGION = torch.compiler.nested_compile_region(paged_decode_attention)
 
 # What the graph is: the forward, or the forward up to the LM head where the head
 # is only fbgemm's packed object, which the tracer cannot enter (it then runs
@@ -84,30 +108,35 @@ class DecodeCompileError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class LoneDecodePlan:
+class DecodePlan:
     """What attention needs of the step: tensors only, so nothing is baked into the graph."""
 
-    block_ids: torch.Tensor  # [max(blocks, MIN_BLOCKS)] int64
-    position: torch.Tensor  # [1] int64: the new token's; slots past it are masked
+    block_ids: torch.Tensor  # [requests, max(blocks, MIN_BLOCKS)] int64
+    positions: torch.Tensor  # [requests] int64: each new token's; slots past it are masked
 
 
-class LoneDecodeAttention:
-    """One request's one new query over its blocks, gathered by id."""
+class GraphDecodeAttention:
+    """Each request's one new query over its blocks, gathered by id, inside a graph."""
 
-    name = "lone-decode"
+    name = "compiled-decode"
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
     def prepare(
         self, layout: list[SequenceLayout], block_size: int, device: torch.device
-    ) -> LoneDecodePlan:
-        (sequence,) = layout
-        table = sequence.block_table
-        padded = table + [table[-1]] * (MIN_BLOCKS - len(table))
-        return LoneDecodePlan(
-            block_ids=torch.tensor(padded, dtype=torch.int64, device=device),
-            position=torch.tensor([sequence.num_cached_tokens], dtype=torch.int64, device=device),
+    ) -> DecodePlan:
+        """Block tables padded (each with its own last block, masked) to the longest
+        and to at least MIN_BLOCKS."""
+        width = max(MIN_BLOCKS, *(len(sequence.block_table) for sequence in layout))
+        rows = [s.block_table + [s.block_table[-1]] * (width - len(s.block_table)) for s in layout]
+        return DecodePlan(
+            block_ids=torch.tensor(rows, dtype=torch.int64, device=device),
+            positions=torch.tensor(
+                [sequence.num_cached_tokens for sequence in layout],
+                dtype=torch.int64,
+                device=device,
+            ),
         )
 
     def write_kv(
@@ -126,28 +155,137 @@ class LoneDecodeAttention:
     def attend(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prepared: object
     ) -> torch.Tensor:
-        """``queries`` [1, heads, head_dim] -> [1, heads, head_dim]: the paged decode
+        """``queries`` [requests, heads, head_dim] -> the same: the paged decode
         attention, which inductor fuses with the gather of the blocks into a few loops
-        reading the request's keys and values where they lie (SDPA's kernel cost tens
+        reading the requests' keys and values where they lie (SDPA's kernel cost tens
         of microseconds a layer at one query, on blocks copied for it: a token 10 %
         faster at 128 tokens of context, 17 % at 1,200: docs/benchmarks.md,
         *Issue 14, seventh step*)."""
-        assert isinstance(prepared, LoneDecodePlan)
-        return paged_decode_attention(
+        assert isinstance(prepared, DecodePlan)
+        return _ATTENTION_REGION(
             queries,
             pool_blocks(keys, self.block_size),
             pool_blocks(values, self.block_size),
-            prepared.block_ids[None],
-            prepared.position,
+            prepared.block_ids,
+            prepared.positions,
         )
 
 
+class _DecodeGraph:
+    """One compiled graph of the model's decode step, for steps of ``min_requests``
+    to ``max_requests`` requests (one size: static; a range: the number of requests
+    is one of the graph's dynamic sizes, the blocks per request the other)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: PagedKVCache,
+        min_requests: int,
+        max_requests: int,
+        head_in_graph: bool,
+        max_logit_error: float = MAX_LOGIT_ERROR,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.min_requests = min_requests
+        self.max_requests = max_requests
+        self.head_in_graph = head_in_graph
+        self.max_logit_error = max_logit_error
+        self.backend = GraphDecodeAttention(kv_cache.block_size)
+        self._compiled = compile_unguarded(_DecodeGraph._forward, bound_to=self)
+        self.compile_s = 0.0
+
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        layout: list[SequenceLayout],
+        max_blocks: int,
+    ) -> torch.Tensor:
+        """Logits [requests, vocab] (fp32); the step's K/V are written."""
+        plan = self.backend.prepare(layout, self.kv_cache.block_size, self.model.device)
+        inputs = (
+            torch.tensor(token_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(slots, dtype=torch.int64),
+            plan,
+            torch.arange(len(layout)),
+        )
+        # Read at the first call only (the compile); later calls skip dynamo's checks.
+        torch._dynamo.mark_dynamic(plan.block_ids, 1, min=MIN_BLOCKS, max=max_blocks)
+        if self.max_requests > self.min_requests:
+            requests = dict(min=self.min_requests, max=self.max_requests)
+            for tensor in (*inputs[:3], plan.block_ids, plan.positions, inputs[4]):
+                torch._dynamo.mark_dynamic(tensor, 0, **requests)
+        with torch.no_grad():
+            out = self._compiled(*inputs)
+        return out if self.head_in_graph else self.model.logits(out)
+
+    def _forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: DecodePlan,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The logits, or the final hidden states where the head is not ``head_in_graph``."""
+        last = _UNDECORATED_FINAL_HIDDEN(
+            self.model, token_ids, positions, slot_mapping, self.kv_cache, self.backend, plan,
+            logits_rows,
+        )  # fmt: skip
+        return _UNDECORATED_LOGITS(self.model, last) if self.head_in_graph else last
+
+    def warm_up(self, num_requests: int, max_blocks: int) -> float:
+        """Compile on a step of ``num_requests`` requests at position 1 of blocks
+        2i and 2i + 1, then check it against the eager forward of the same step."""
+        from gpu_worker.attention_cpu import CpuAttention
+
+        block_size = self.kv_cache.block_size
+        layout = [
+            SequenceLayout(index, 1, 1, [2 * index, 2 * index + 1]) for index in range(num_requests)
+        ]
+        slots = [2 * index * block_size + 1 for index in range(num_requests)]
+        ones = [1] * num_requests
+        started = time.perf_counter()
+        try:
+            compiled = self.run(ones, ones, slots, layout, max_blocks)
+        except Exception as error:  # inductor's failures have no common type
+            raise DecodeCompileError(f"{type(error).__name__}: {error}") from error
+        self.compile_s = time.perf_counter() - started
+        backend = CpuAttention(self.model.dtype)
+        eager = self.model.forward(
+            token_ids=torch.tensor(ones),
+            positions=torch.tensor(ones),
+            slot_mapping=torch.tensor(slots),
+            kv_cache=self.kv_cache,
+            backend=backend,
+            attention_plan=backend.prepare(layout, block_size, self.model.device),
+            logits_rows=torch.arange(num_requests),
+        )
+        logit_error = max_relative_error(compiled, eager)
+        if not logit_error <= self.max_logit_error:  # NaN too
+            raise DecodeCompileError(
+                f"compiled logits stray {logit_error:.2g} from the eager forward's"
+            )
+        _log.info(
+            "decode_compiled", requests=(self.min_requests, self.max_requests),
+            compile_s=round(self.compile_s, 1), logit_error=logit_error,
+        )  # fmt: skip
+        return self.compile_s
+
+
 class CompiledDecode:
-    """Decode steps of one request alone, through one inductor graph of the model."""
+    """Decode-only steps through compiled graphs of the model: one for a lone
+    request (a chat), and for batches where the layers allow it one per range of
+    sizes in which every matrix takes one kernel (``batch_ranges``)."""
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache) -> None:
-        """Compiles and checks the graph on a warm-up step written to the pool's
-        first blocks (free while the engine starts); DecodeCompileError if it fails."""
+        """Compiles and checks the graphs on warm-up steps written to the pool's first
+        blocks (free while the engine starts); DecodeCompileError if the lone one fails
+        (batch graphs that cannot be made are left out, each with a
+        ``batch_decode_not_compiled`` line: those batches run eagerly)."""
         if model.device.type != "cpu":
             raise DecodeCompileError(f"compiled decode is for the CPU, not {model.device}")
         untraceable = untraceable_matrices(model)
@@ -160,29 +298,28 @@ class CompiledDecode:
             raise DecodeCompileError(f"the K/V pool has fewer than {MIN_BLOCKS} blocks")
         self.model = model
         self.kv_cache = kv_cache
-        self.backend = LoneDecodeAttention(kv_cache.block_size)
-        self.head_in_graph = traceable(model.weights.lm_head)
-        self._logits_rows = torch.zeros(1, dtype=torch.int64)
-        block_size = kv_cache.block_size
-        self._max_blocks = max(
-            MIN_BLOCKS + 1, -(-model.config.max_position_embeddings // block_size)
+        self.max_blocks = max(
+            MIN_BLOCKS + 1, -(-model.config.max_position_embeddings // kv_cache.block_size)
         )
-        self._compiled = compile_unguarded(CompiledDecode._forward, bound_to=self)
         # The worker is silent while this runs: say why, and where the result is kept.
         _log.info(
             "compiling_decode",
-            note="tens of seconds the first time, a few once cached",
+            note="tens of seconds a graph the first time, a few once cached",
             cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"),
         )
-        self.compile_s = self._warm_up()
+        lone = _DecodeGraph(model, kv_cache, 1, 1, traceable(model.weights.lm_head))
+        self.compile_s = lone.warm_up(1, self.max_blocks)
+        self.graphs = [lone, *self._batch_graphs()]
+
+    @property
+    def head_in_graph(self) -> bool:
+        """Whether the lone graph ends with the LM head (else it runs after the graph)."""
+        return self.graphs[0].head_in_graph
 
     def fits(self, layout: list[SequenceLayout]) -> bool:
-        """One request, one new token: the only step the graph was traced for."""
-        return (
-            len(layout) == 1
-            and layout[0].num_query_tokens == 1
-            and len(layout[0].block_table) <= self._max_blocks
-        )
+        """Decodes only (one new token each), as many as a graph takes, none with a
+        table past the model's context."""
+        return self._graph_for(len(layout)) is not None and decodes_within(layout, self.max_blocks)
 
     def run(
         self,
@@ -191,74 +328,80 @@ class CompiledDecode:
         slots: list[int],
         layout: list[SequenceLayout],
     ) -> torch.Tensor:
-        """Logits [1, vocab] (fp32) of a step that ``fits``; its K/V are written."""
-        plan = self.backend.prepare(layout, self.kv_cache.block_size, self.model.device)
-        torch._dynamo.mark_dynamic(plan.block_ids, 0, min=MIN_BLOCKS, max=self._max_blocks)
-        with torch.no_grad():
-            out = self._compiled(
-                torch.tensor(token_ids, dtype=torch.int64),
-                torch.tensor(positions, dtype=torch.int64),
-                torch.tensor(slots, dtype=torch.int64),
-                plan,
+        """Logits [requests, vocab] (fp32) of a step that ``fits``; its K/V are written."""
+        graph = self._graph_for(len(layout))
+        assert graph is not None, "run a step that fits"
+        return graph.run(token_ids, positions, slots, layout, self.max_blocks)
+
+    def _graph_for(self, num_requests: int) -> _DecodeGraph | None:
+        for graph in self.graphs:
+            if graph.min_requests <= num_requests <= graph.max_requests:
+                return graph
+        return None
+
+    def _batch_graphs(self) -> list[_DecodeGraph]:
+        """A graph per range of ``batch_ranges``, each checked on a warm-up batch (its
+        smallest size); those that cannot be made are left out, with a
+        ``batch_decode_not_compiled`` line saying why."""
+        matrices = layer_matrices(self.model)
+        if any(not traceable_for_batches(matrix) for matrix in matrices):
+            _log.warning(
+                "batch_decode_not_compiled",
+                reason="its layer matrices are fbgemm's (float16), whose traced form reads "
+                "every weight once per request",
+                using="the eager forward",
             )
-        return out if self.head_in_graph else self.model.logits(out)
-
-    def _forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        plan: LoneDecodePlan,
-    ) -> torch.Tensor:
-        """The logits, or the final hidden state where the head is not ``head_in_graph``."""
-        last = _UNDECORATED_FINAL_HIDDEN(
-            self.model, token_ids, positions, slot_mapping, self.kv_cache, self.backend, plan,
-            self._logits_rows,
-        )  # fmt: skip
-        return _UNDECORATED_LOGITS(self.model, last) if self.head_in_graph else last
-
-    def _warm_up(self) -> float:
-        """Compile on a step at position 1 of blocks 0 and 1, then check it
-        against the eager forward of the same step."""
-        from gpu_worker.attention_cpu import CpuAttention
-
-        block_size = self.kv_cache.block_size
-        layout = [SequenceLayout(0, 1, 1, list(range(MIN_BLOCKS)))]
-        inputs = ([1], [1], [1], layout)
-        started = time.perf_counter()
-        try:
-            compiled = self.run(*inputs)
-        except Exception as error:  # inductor's failures have no common type
-            raise DecodeCompileError(f"{type(error).__name__}: {error}") from error
-        compile_s = time.perf_counter() - started
-        backend = CpuAttention(self.model.dtype)
-        eager = self.model.forward(
-            token_ids=torch.tensor([1]),
-            positions=torch.tensor([1]),
-            slot_mapping=torch.tensor([1]),
-            kv_cache=self.kv_cache,
-            backend=backend,
-            attention_plan=backend.prepare(layout, block_size, self.model.device),
-            logits_rows=self._logits_rows,
-        )
-        logit_error = max_relative_error(compiled, eager)
-        if not logit_error <= MAX_LOGIT_ERROR:  # NaN too
-            raise DecodeCompileError(
-                f"compiled logits stray {logit_error:.2g} from the eager forward's"
+            return []
+        graphs = []
+        for min_requests, max_requests in batch_ranges(matrices):
+            # Checked against the eager forward at the same size, whose matrices
+            # take the same kernels (int4's bf16 copy rounds in bf16: a looser bound).
+            in_bf16 = min_requests > INT4_MAX_ROWS and any(
+                isinstance(matrix, Int4Linear) for matrix in matrices
             )
-        _log.info("decode_compiled", compile_s=round(compile_s, 1), logit_error=logit_error)
-        return compile_s
+            max_error = MAX_BF16_LOGIT_ERROR if in_bf16 else MAX_LOGIT_ERROR
+            graph = _DecodeGraph(
+                self.model, self.kv_cache, min_requests, max_requests, False, max_error
+            )
+            if self.kv_cache.num_blocks < MIN_BLOCKS * min_requests:
+                reason = f"the K/V pool has fewer than {MIN_BLOCKS * min_requests} blocks"
+            else:
+                try:
+                    graph.warm_up(min_requests, self.max_blocks)
+                    graphs.append(graph)
+                    continue
+                except DecodeCompileError as error:
+                    reason = str(error)
+            _log.warning(
+                "batch_decode_not_compiled", requests=(min_requests, max_requests),
+                reason=reason, using="the eager forward",
+            )  # fmt: skip
+        return graphs
+
+
+def batch_ranges(matrices: list[torch.Tensor | PackedLinear]) -> list[tuple[int, int]]:
+    """The ranges of batch sizes a graph each: int4's matrices take their 4-bit
+    kernel up to INT4_MAX_ROWS rows and their bf16 copy above, a graph one of the
+    two; every other traceable matrix one kernel for any size."""
+    if any(isinstance(matrix, Int4Linear) for matrix in matrices):
+        return [(2, INT4_MAX_ROWS), (INT4_MAX_ROWS + 1, BATCH_MAX_REQUESTS)]
+    return [(2, BATCH_MAX_REQUESTS)]
+
+
+def layer_matrices(model: LlamaModel) -> list[torch.Tensor | PackedLinear]:
+    """Every projection of every layer (not the embedding, not the LM head)."""
+    return [
+        matrix
+        for layer in model.weights.layers
+        for matrix in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ]
 
 
 def untraceable_matrices(model: LlamaModel) -> int:
     """How many layer matrices are only fbgemm's packed objects, which torch.compile
     cannot trace (float16's keep a plain copy it can; the LM head, called once after
     the layers, may be either: ``head_in_graph``)."""
-    return sum(
-        not traceable(matrix)
-        for layer in model.weights.layers
-        for matrix in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    )
+    return sum(not traceable(matrix) for matrix in layer_matrices(model))
 
 
 def compiled_decode_or_none(model: LlamaModel, kv_cache: PagedKVCache) -> CompiledDecode | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.attention import AttentionBackend, SequenceLayout
+from gpu_worker.attention import AttentionBackend, SequenceLayout, decodes_within
 from gpu_worker.attention_triton import (
     FIRST_BLOCK_COLUMN,
     NUM_CACHED_TOKENS,
@@ -169,10 +169,8 @@ class DecodeGraphRunner:
 
     def fits(self, layout: list[SequenceLayout]) -> bool:
         """Whether this decode-only step has a bucket and its block tables fit the buffers."""
-        return (
-            1 <= len(layout) <= self.buckets[-1]
-            and all(sequence.num_query_tokens == 1 for sequence in layout)
-            and max(len(s.block_table) for s in layout) <= self.max_blocks_per_request
+        return 1 <= len(layout) <= self.buckets[-1] and decodes_within(
+            layout, self.max_blocks_per_request
         )
 
     def run(

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gpu_worker.device import cpu_has_native_bf16
 from shared.settings import WEIGHT_FORMATS
@@ -293,8 +294,9 @@ class Int4Linear:
         return cls(few_rows, weight.to(torch.bfloat16), int(out_features), int(in_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, in] fp32 -> [T, out] fp32."""
-        if len(x) <= INT4_MAX_ROWS:
+        """``x`` [T, in] fp32 -> [T, out] fp32. In a graph traced for a range of T
+        (the compiled batch decode), the bf16 copy: the range decides nothing."""
+        if statically_known_true(len(x) <= INT4_MAX_ROWS):
             return self.few_rows(x).float()
         return F.linear(x.to(torch.bfloat16), self.many_rows).float()
 
@@ -350,6 +352,13 @@ def traceable(weight: torch.Tensor | PackedLinear) -> bool:
     if isinstance(weight, Float16Linear):
         return weight.weight is not None
     return not isinstance(weight, Int8Linear)
+
+
+def traceable_for_batches(weight: torch.Tensor | PackedLinear) -> bool:
+    """Whether a compiled graph of a batch (rows a dynamic size) reads ``weight`` as a
+    matmul: plain tensors and int4's bf16 copy do; float16's traced form (products
+    and a sum) would read every weight once per row, fbgemm's objects not at all."""
+    return isinstance(weight, torch.Tensor | Int4Linear)
 
 
 def unsupported_reason(

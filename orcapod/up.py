@@ -66,7 +66,9 @@ from shared.settings import (
     tenants_file,
 )
 
-READY_TIMEOUT_S = 300.0
+# A worker's first start on a 2-core CPU compiles its decode graphs (about three
+# minutes on a Xeon, more on slower cores; a few seconds once cached).
+READY_TIMEOUT_S = 600.0
 GATEWAY_STOP_MARGIN_S = 5.0
 RESTART_POLICY = RestartPolicy()
 

@@ -23,7 +23,9 @@ import redis
 from orcapod.embedded_redis import EmbeddedRedis, free_loopback_port, start_embedded_redis
 from orcapod.processes import environment_with, stop_children
 
-READY_TIMEOUT_S = 300.0
+# A worker's first start on a 2-core CPU compiles its decode graphs (about three
+# minutes on a Xeon, more on slower cores; a few seconds once cached).
+READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
 
 

@@ -19,15 +19,27 @@ from gpu_worker import compiled_decode, quantized_linear
 from gpu_worker.__main__ import parse_settings
 from gpu_worker.attention import SequenceLayout
 from gpu_worker.attention_cpu import CpuAttention
-from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, LoneDecodeAttention
+from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, GraphDecodeAttention
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import load_model_config
-from gpu_worker.quantized_linear import Int8Linear, pack_weights, weight_format_of
+from gpu_worker.quantized_linear import (
+    INT4_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    pack_weights,
+    weight_format_of,
+)
+from gpu_worker.unguarded_compile import max_relative_error
 from gpu_worker.weights import load_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
-from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, on_a_q8_0_grid, write_tiny_model
+from tests.gpu_worker.tiny_models import (
+    TINY_VOCAB_SIZE,
+    on_a_q4_1_grid,
+    on_a_q8_0_grid,
+    write_tiny_model,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -114,11 +126,12 @@ def test_a_lone_decode_through_shuffled_blocks_matches_the_eager_engine(
     assert calls == [1] * 40
 
 
-def test_a_batch_runs_eagerly_and_its_survivor_through_the_graph(
+def test_a_batch_through_its_graph_and_its_survivor_through_the_lone_one(
     model, compiled_engine, monkeypatch
 ):
-    """Two requests decoding together are no lone decode: the eager forward runs
-    them; once one leaves, the other's steps go through the graph, its K/V intact."""
+    """Two requests decoding together go through the batch graph; once one leaves,
+    the other's steps go through the lone graph, its K/V intact; the same tokens as
+    the eager forward's."""
     eager_engine = _engine(model, compile_decode=False)
     calls = _counting_runs(monkeypatch, compiled_engine)
     outputs = []
@@ -136,26 +149,26 @@ def test_a_batch_runs_eagerly_and_its_survivor_through_the_graph(
         _release(engine, ["a"])
         outputs.append(tokens)
     assert outputs[0] == outputs[1]
-    assert calls == [1, 1, 1]
+    assert calls == [2] * 5 + [1] * 3
 
 
 def test_the_traced_attention_matches_the_cpu_backend():
-    """LoneDecodeAttention (what the graph runs) against CpuAttention, without a compile:
-    random pools, block tables in any order, one block (padded to MIN_BLOCKS) to many,
-    every offset within the last block."""
+    """GraphDecodeAttention (what the graphs run) against CpuAttention, without a
+    compile: random pools, block tables in any order, one block (padded to MIN_BLOCKS)
+    to many, every offset within the last block."""
     rng = random.Random(0)
     generator = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head_dim, num_blocks = 4, 2, 8, 32
     keys = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)
     values = torch.randn(keys.shape, generator=generator)
-    lone, cpu = LoneDecodeAttention(BLOCK_SIZE), CpuAttention()
+    lone, cpu = GraphDecodeAttention(BLOCK_SIZE), CpuAttention()
     device = torch.device("cpu")
     for num_cached in [0, 1, 3, 4, 5, 7, 8, 30, 63]:
         table = rng.sample(range(num_blocks), num_cached // BLOCK_SIZE + 1)
         layout = [SequenceLayout(0, 1, num_cached, table)]
         query = torch.randn(1, num_heads, head_dim, generator=generator)
         plan = lone.prepare(layout, BLOCK_SIZE, device)
-        assert len(plan.block_ids) >= MIN_BLOCKS
+        assert plan.block_ids.shape[1] >= MIN_BLOCKS
         expected = cpu.attend(query, keys, values, cpu.prepare(layout, BLOCK_SIZE, device))
         actual = lone.attend(query, keys, values, plan)
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
@@ -165,7 +178,7 @@ def test_the_kv_writer_writes_only_the_new_slot():
     keys = torch.zeros(8, 2, 4)
     values = torch.zeros(8, 2, 4)
     key, value = torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0)
-    LoneDecodeAttention(BLOCK_SIZE).write_kv(keys, values, torch.tensor([5]), key, value)
+    GraphDecodeAttention(BLOCK_SIZE).write_kv(keys, values, torch.tensor([5]), key, value)
     assert keys[5].eq(1).all() and values[5].eq(2).all()
     assert keys.sum() == 8 and values.sum() == 16
 
@@ -253,8 +266,13 @@ def test_float16_layers_compile_and_decode_as_their_eager_kernel(
     weights = pack_weights(weights, "float16", torch.device("cpu"), torch.float32)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
     assert weight_format_of(model.weights) == "float16"
-    compiled = _engine(model, compile_decode=True)
+    with capture_logs() as logs:
+        compiled = _engine(model, compile_decode=True)
     assert compiled.compiles_decode
+    # Batches stay eager: the traced fp16 form would read every weight once a request.
+    assert [(g.min_requests, g.max_requests) for g in compiled._decode_runner.graphs] == [(1, 1)]
+    (line,) = [entry for entry in logs if entry["event"] == "batch_decode_not_compiled"]
+    assert "float16" in line["reason"]
     assert compiled._decode_runner.head_in_graph  # its int8 form, one loop in the graph
     calls = _counting_runs(monkeypatch, compiled)
     blocks = random.Random(5).sample(range(NUM_BLOCKS), 9)
@@ -293,3 +311,85 @@ def test_prompt_tokens_outside_the_vocabulary_still_fail_alone(compiled_engine):
         )
     )  # fmt: skip
     assert [failure.request_id for failure in output.failed] == ["bad"]
+
+
+def test_batches_of_every_size_decode_through_one_graph_as_eagerly(
+    model, compiled_engine, monkeypatch
+):
+    """Batches of 2 to 13 requests of different lengths in shuffled blocks, joining
+    and leaving between steps: every step through the batch graph (float32 layers:
+    one graph for every size), the same tokens as the eager forward's."""
+    runner = compiled_engine._decode_runner
+    assert [(g.min_requests, g.max_requests) for g in runner.graphs] == [
+        (1, 1), (2, compiled_decode.BATCH_MAX_REQUESTS)
+    ]  # fmt: skip
+    calls = _counting_runs(monkeypatch, compiled_engine)
+    eager_engine = _engine(model, compile_decode=False)
+    blocks = random.Random(11).sample(range(NUM_BLOCKS), 13 * 4)
+    prompts = {f"r{i}": [(7 * i + j) % 90 + 3 for j in range(2 + i)] for i in range(13)}
+    outputs = []
+    for engine in (compiled_engine, eager_engine):
+        tokens = {}
+        for index, (request_id, prompt) in enumerate(prompts.items()):
+            tokens[request_id] = [_start(engine, request_id, prompt, blocks[4 * index :][:4])]
+        for size in (13, 2, 5, 9, 3):
+            running = list(prompts)[:size]
+            for request_id, token in _decode(engine, running).items():
+                tokens[request_id].append(token)
+        _release(engine, list(prompts))
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    assert calls == [13, 2, 5, 9, 3]
+
+
+def test_batch_ranges_split_where_int4_changes_kernel() -> None:
+    """int4's matrices take their 4-bit kernel up to INT4_MAX_ROWS rows, their bf16
+    copy above: a graph each; plain matrices take one kernel for every size."""
+    plain = torch.zeros(16, 32)
+    int4 = Int4Linear.pack(on_a_q4_1_grid(torch.randn(16, 32)))
+    last = compiled_decode.BATCH_MAX_REQUESTS
+    assert compiled_decode.batch_ranges([plain, plain]) == [(2, last)]
+    assert compiled_decode.batch_ranges([plain, int4]) == [
+        (2, INT4_MAX_ROWS), (INT4_MAX_ROWS + 1, last)
+    ]  # fmt: skip
+
+
+def test_int4_batches_take_the_graph_of_their_range(tmp_path, monkeypatch) -> None:
+    """A model on Q4_1's grid packed as int4: a lone graph and two batch graphs, each
+    within its bound of the eager forward at a size of its range (the 4-bit kernel up
+    to INT4_MAX_ROWS requests, the bf16 copy above, in the graph as eagerly)."""
+    monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: True)
+    model_dir = write_tiny_model(tmp_path / "tiny", "llama")
+    config = load_model_config(model_dir)
+    weights = load_weights(model_dir, config, torch.device("cpu"), torch.float32)
+    layers = [
+        dataclasses.replace(
+            layer, **{name: on_a_q4_1_grid(getattr(layer, name)) for name in _MATRICES}
+        )
+        for layer in weights.layers
+    ]
+    weights = dataclasses.replace(weights, layers=layers)
+    weights = pack_weights(weights, "int4", torch.device("cpu"), torch.float32)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    assert weight_format_of(model.weights) == "int4"
+    engine = _engine(model, compile_decode=True)
+    runner = engine._decode_runner
+    ranges = [(graph.min_requests, graph.max_requests) for graph in runner.graphs]
+    assert ranges == [(1, 1), *compiled_decode.batch_ranges(compiled_decode.layer_matrices(model))]
+    for size, bound in ((3, compiled_decode.MAX_LOGIT_ERROR),
+                        (INT4_MAX_ROWS + 2, compiled_decode.MAX_BF16_LOGIT_ERROR)):  # fmt: skip
+        layout = [SequenceLayout(i, 1, 2 + i, [3 * i, 3 * i + 1, 3 * i + 2]) for i in range(size)]
+        token_ids, positions = [5 + i for i in range(size)], [2 + i for i in range(size)]
+        slots = [3 * i * BLOCK_SIZE + 2 + i for i in range(size)]
+        assert runner.fits(layout)
+        compiled = runner.run(token_ids, positions, slots, layout)
+        backend = CpuAttention()
+        eager = model.forward(
+            torch.tensor(token_ids), torch.tensor(positions), torch.tensor(slots),
+            engine.kv_cache, backend, backend.prepare(layout, BLOCK_SIZE, torch.device("cpu")),
+            torch.arange(size),
+        )  # fmt: skip
+        assert max_relative_error(compiled, eager) <= bound
+
+
+_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

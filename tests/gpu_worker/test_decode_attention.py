@@ -224,8 +224,9 @@ def tiny_model(tmp_path_factory):
     return load_model(model_dir, device="cpu", dtype="float32")
 
 
-def _decode_tokens(model, compile_decode: bool) -> tuple[dict[str, list[int]], Engine]:
-    """Six requests prefilled, then 12 batched decodes (shuffled blocks)."""
+def _mixed_steps(model, compile_decode: bool) -> tuple[dict[str, list[int]], Engine]:
+    """Six requests prefilled, then 12 steps of their decodes beside two-token chunks
+    of a seventh prompt (shuffled blocks): mixed steps, which the eager forward runs."""
     config = model.config
     block_bytes = 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
     engine = Engine(
@@ -235,34 +236,48 @@ def _decode_tokens(model, compile_decode: bool) -> tuple[dict[str, list[int]], E
         compile_decode=compile_decode,
     )
     rng = random.Random(7)
-    free_blocks = rng.sample(range(NUM_POOL_BLOCKS), 6 * 10)
+    free_blocks = rng.sample(range(NUM_POOL_BLOCKS), 7 * 10)
     prompts = {f"r{i}": [rng.randrange(3, 90) for _ in range(5 + 3 * i)] for i in range(6)}
     tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
-    grants = {rid: [free_blocks.pop() for _ in range(10)] for rid in prompts}
+    grants = {rid: [free_blocks.pop() for _ in range(10)] for rid in [*prompts, "long"]}
     output = engine.step(
         StepPlan(
             "g", 0, 0,
             new_requests=[RequestSpec(rid, len(ids), GREEDY) for rid, ids in prompts.items()],
             prefill_chunks=[PrefillChunk(rid, ids, 0) for rid, ids in prompts.items()],
-            block_grants=grants,
+            block_grants={rid: grants[rid] for rid in prompts},
         )
     )  # fmt: skip
-    for _ in range(12):
+    long_prompt = [rng.randrange(3, 90) for _ in range(26)]
+    for step in range(12):
         for token in output.tokens:
             tokens[token.request_id].append(token.token_id)
-        output = engine.step(StepPlan("g", 0, 0, decode_request_ids=list(prompts)))
+        chunk = PrefillChunk("long", long_prompt[2 * step : 2 * step + 2], 2 * step)
+        output = engine.step(
+            StepPlan(
+                "g", 0, 0,
+                new_requests=[RequestSpec("long", len(long_prompt), GREEDY)] if step == 0 else [],
+                prefill_chunks=[chunk],
+                decode_request_ids=list(prompts),
+                block_grants={"long": grants["long"]} if step == 0 else {},
+            )
+        )  # fmt: skip
     return tokens, engine
 
 
-def test_an_engine_decodes_batches_through_the_graph_as_eagerly(tiny_model, monkeypatch):
-    """The worker's engine on the CPU: batched decodes through the compiled attention,
-    the same greedy tokens as the engine without it."""
-    compiled_tokens, engine = _decode_tokens(tiny_model, compile_decode=True)
+def test_an_engines_mixed_steps_take_the_graph_for_their_decodes(tiny_model, monkeypatch):
+    """The worker's engine on the CPU: in steps that also prefill (the eager forward),
+    the decodes go through the compiled attention, with the same greedy tokens as
+    the engine without it."""
+    compiled_tokens, engine = _mixed_steps(tiny_model, compile_decode=True)
     kernel = engine.backend.decode_kernel
     assert isinstance(kernel, CompiledDecodeAttention)
-    eager_tokens, eager_engine = _decode_tokens(tiny_model, compile_decode=False)
+    eager_tokens, eager_engine = _mixed_steps(tiny_model, compile_decode=False)
     assert eager_engine.backend.decode_kernel is None
     assert compiled_tokens == eager_tokens
     calls = _counting(monkeypatch, kernel)
-    engine.step(StepPlan("g", 0, 0, decode_request_ids=list(compiled_tokens)))
+    chunk = PrefillChunk("long", [5, 6], 24)
+    engine.step(
+        StepPlan("g", 0, 0, prefill_chunks=[chunk], decode_request_ids=list(compiled_tokens))
+    )
     assert calls == [(6, 10)] * tiny_model.config.num_layers

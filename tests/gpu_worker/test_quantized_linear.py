@@ -42,7 +42,7 @@ from gpu_worker.quantized_linear import (
 )
 from gpu_worker.weights import load_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
-from tests.gpu_worker.tiny_models import on_a_q8_0_grid, write_tiny_model
+from tests.gpu_worker.tiny_models import on_a_q4_1_grid, on_a_q8_0_grid, write_tiny_model
 
 CPU = torch.device("cpu")
 PROMPTS = {
@@ -88,19 +88,9 @@ def _snapped_copy(model_dir: Path, target: Path) -> Path:
     tensors = load_file(path)
     for name, tensor in tensors.items():
         if name.endswith("proj.weight") and tensor.shape[1] % INT4_GROUP_SIZE == 0:
-            tensors[name] = _on_a_4bit_grid(tensor)
+            tensors[name] = on_a_q4_1_grid(tensor)
     save_file(tensors, path, metadata={"format": "pt"})
     return target
-
-
-def _on_a_4bit_grid(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] quantized as llama.cpp's Q4_1 and dequantized: per group of
-    32, ``q * scale + minimum`` with q in 0..15 and fp16 scale and minimum."""
-    groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP_SIZE)
-    minimum = groups.amin(dim=-1, keepdim=True).half().float()
-    scale = ((groups.amax(dim=-1, keepdim=True) - minimum) / 15).half().float()
-    levels = ((groups - minimum) / scale).round().clamp(0, 15)
-    return (levels * scale + minimum).reshape(weight.shape)
 
 
 def _generate(model: LlamaModel, sampling: SamplingParams) -> dict[str, list[int]]:
@@ -367,7 +357,7 @@ def test_an_int4_linear_on_the_grid_is_within_bf16s_error_of_fp32(shape, rows):
     # Both kernels: the 4-bit one for few rows, the bf16 copy for more.
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(out_features * 31 + in_features)
-    weight = _on_a_4bit_grid(torch.randn(out_features, in_features, generator=generator))
+    weight = on_a_q4_1_grid(torch.randn(out_features, in_features, generator=generator))
     x = torch.randn(rows, in_features, generator=generator)
     exact = F.linear(x, weight)
     packed = linear(x, Int4Linear.pack(weight))
@@ -398,8 +388,8 @@ def test_int4_holds_the_grids_levels_exactly():
     ("weight", "reason"),
     [
         (torch.randn(64, 64), "4-bit grid"),  # fp32 values: no 16 levels per group
-        (_on_a_4bit_grid(torch.randn(16, 64))[:, :48], "not a multiple of 32"),
-        (_on_a_4bit_grid(torch.randn(24, 64)), "24 rows, not a multiple of 16"),
+        (on_a_q4_1_grid(torch.randn(16, 64))[:, :48], "not a multiple of 32"),
+        (on_a_q4_1_grid(torch.randn(24, 64)), "24 rows, not a multiple of 16"),
         # Constant groups at fp32's largest value: on the grid, but bf16 rounds it to inf.
         (torch.full((16, 32), torch.finfo(torch.float32).max), "bf16's range"),
         (torch.tensor([[-3e38] * 16 + [3e38] * 16] * 16), "4-bit grid"),  # the span overflows

@@ -98,3 +98,13 @@ def on_a_q8_0_grid(weight: torch.Tensor) -> torch.Tensor:
     scale = (groups.abs().amax(dim=-1, keepdim=True) / 127).half().float()
     levels = (groups / scale.clamp_min(1e-30)).round().clamp(-127, 127)
     return (levels * scale).reshape(weight.shape)
+
+
+def on_a_q4_1_grid(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] quantized as llama.cpp's Q4_1 and dequantized: per group of
+    32, ``q * scale + minimum`` with q in 0..15 and fp16 scale and minimum."""
+    groups = weight.float().reshape(weight.shape[0], -1, 32)
+    minimum = groups.amin(dim=-1, keepdim=True).half().float()
+    scale = ((groups.amax(dim=-1, keepdim=True) - minimum) / 15).half().float()
+    levels = ((groups - minimum) / scale).round().clamp(0, 15)
+    return (levels * scale + minimum).reshape(weight.shape)
