@@ -1,9 +1,10 @@
 """A lone request's decode through one compiled graph on the CPU (gpu_worker/compiled_decode.py).
 
-One real compile of a tiny model (module fixture, about ten seconds) checks
-the graph against the eager engine token for token, through shuffled blocks;
-the attention it traces is checked against the CPU backend without a
-compile; the ways it is refused fall back to the eager forward.
+One real compile of a tiny model (module fixture: its attention, lone and
+batch graphs, about a minute on two cores with an empty inductor cache) checks
+the graphs against the eager engine token for token, through shuffled blocks
+and beside prompt chunks; the attention it traces is checked against the CPU
+backend without a compile; the ways it is refused fall back to the eager forward.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gpu_worker.__main__ import parse_settings
 from gpu_worker.attention import SequenceLayout
 from gpu_worker.attention_cpu import CpuAttention
 from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, GraphDecodeAttention
+from gpu_worker.decode_attention import CompiledDecodeAttention
 from gpu_worker.engine import Engine, load_model
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
 from gpu_worker.llama import LlamaModel
@@ -258,7 +260,7 @@ def test_float16_layers_compile_and_decode_as_their_eager_kernel(
     graph exists (``compiled_engine``): each runner has its own."""
     here = torch.backends.cpu.get_cpu_capability()  # its int8 head form, on AVX2 too
     monkeypatch.setattr(quantized_linear, "INT8_GROUP_CPU_CAPABILITIES", (here,))
-    model_dir = write_tiny_model(tmp_path / "tiny", "llama")
+    model_dir = write_tiny_model(tmp_path / "tiny", "llama", num_hidden_layers=1)
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, torch.device("cpu"), torch.float32)
     head = on_a_q8_0_grid(weights.lm_head)  # as the packaged model's tied embedding
@@ -342,6 +344,63 @@ def test_batches_of_every_size_decode_through_one_graph_as_eagerly(
     assert calls == [13, 2, 5, 9, 3]
 
 
+def _mixed_steps(engine: Engine) -> dict[str, list[int]]:
+    """Six requests prefilled, then 12 steps of their decodes beside two-token chunks
+    of a seventh prompt (shuffled blocks): mixed steps, which the eager forward runs;
+    the six are released at the end."""
+    rng = random.Random(7)
+    free_blocks = rng.sample(range(NUM_BLOCKS), 7 * 9)
+    prompts = {f"m{i}": [rng.randrange(3, 90) for _ in range(5 + 3 * i)] for i in range(6)}
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    grants = {rid: [free_blocks.pop() for _ in range(9)] for rid in [*prompts, "long"]}
+    output = engine.step(
+        StepPlan(
+            "g", 0, 0,
+            new_requests=[RequestSpec(rid, len(ids), GREEDY) for rid, ids in prompts.items()],
+            prefill_chunks=[PrefillChunk(rid, ids, 0) for rid, ids in prompts.items()],
+            block_grants={rid: grants[rid] for rid in prompts},
+        )
+    )  # fmt: skip
+    long_prompt = [rng.randrange(3, 90) for _ in range(26)]
+    for step in range(12):
+        for token in output.tokens:
+            tokens[token.request_id].append(token.token_id)
+        chunk = PrefillChunk("long", long_prompt[2 * step : 2 * step + 2], 2 * step)
+        output = engine.step(
+            StepPlan(
+                "g", 0, 0,
+                new_requests=[RequestSpec("long", len(long_prompt), GREEDY)] if step == 0 else [],
+                prefill_chunks=[chunk],
+                decode_request_ids=list(prompts),
+                block_grants={"long": grants["long"]} if step == 0 else {},
+            )
+        )  # fmt: skip
+    _release(engine, [*prompts, "long"])
+    return tokens
+
+
+def test_mixed_steps_take_the_compiled_attention_for_their_decodes(
+    model, compiled_engine, monkeypatch
+):
+    """In steps that also prefill (the eager forward), the decodes go through the
+    engine's compiled attention (one call per layer, every request's blocks in
+    place), with the same greedy tokens as the engine without it."""
+    kernel = compiled_engine.backend.decode_kernel
+    assert isinstance(kernel, CompiledDecodeAttention)
+    calls: list[tuple[int, ...]] = []
+    compiled = kernel._compiled
+
+    def counted(queries, key_blocks, value_blocks, block_ids, positions):
+        calls.append(tuple(block_ids.shape))
+        return compiled(queries, key_blocks, value_blocks, block_ids, positions)
+
+    monkeypatch.setattr(kernel, "_compiled", counted)
+    eager_engine = _engine(model, compile_decode=False)
+    assert eager_engine.backend.decode_kernel is None
+    assert _mixed_steps(compiled_engine) == _mixed_steps(eager_engine)
+    assert calls == [(6, 9)] * (12 * model.config.num_layers)
+
+
 def test_batch_ranges_split_where_int4_changes_kernel() -> None:
     """int4's matrices take their 4-bit kernel up to INT4_MAX_ROWS rows, their bf16
     copy above: a graph each; plain matrices take one kernel for every size."""
@@ -355,11 +414,12 @@ def test_batch_ranges_split_where_int4_changes_kernel() -> None:
 
 
 def test_int4_batches_take_the_graph_of_their_range(tmp_path, monkeypatch) -> None:
-    """A model on Q4_1's grid packed as int4: a lone graph and two batch graphs, each
+    """A one-layer model (a fifth less to compile; the float32 tests have two layers)
+    on Q4_1's grid packed as int4: a lone graph and two batch graphs, each
     within its bound of the eager forward at a size of its range (the 4-bit kernel up
     to INT4_MAX_ROWS requests, the bf16 copy above, in the graph as eagerly)."""
     monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: True)
-    model_dir = write_tiny_model(tmp_path / "tiny", "llama")
+    model_dir = write_tiny_model(tmp_path / "tiny", "llama", num_hidden_layers=1)
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, torch.device("cpu"), torch.float32)
     layers = [

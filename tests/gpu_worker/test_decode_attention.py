@@ -1,7 +1,8 @@
 """The paged decode attention (gpu_worker/decode_attention.py) against the literal
 split/merge reference: uncompiled for every shape, compiled once (a few seconds)
 for batches of decodes in shuffled blocks, alone and beside prompt chunks; the
-CPU backend's choice between it and SDPA; and the ways a compile is refused."""
+CPU backend's choice between it and SDPA; and the ways a compile is refused.
+An engine's mixed steps through it: test_compiled_decode.py, on its compiled engine."""
 
 from __future__ import annotations
 
@@ -23,17 +24,12 @@ from gpu_worker.decode_attention import (
     paged_decode_attention,
     pool_blocks,
 )
-from gpu_worker.engine import Engine, load_model
-from gpu_worker.kv_cache import KVCacheBudget
-from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.layouts import shuffled_layout
-from tests.gpu_worker.tiny_models import write_tiny_model
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 NUM_POOL_BLOCKS = 256
-GREEDY = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -216,68 +212,3 @@ def test_a_compile_that_fails_is_refused_with_its_reason(monkeypatch) -> None:
 
 def test_a_compile_that_strays_is_refused(monkeypatch) -> None:
     assert "strays" in _refused(monkeypatch, lambda fn, **options: lambda *a: fn(*a) * 1.01)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-    return load_model(model_dir, device="cpu", dtype="float32")
-
-
-def _mixed_steps(model, compile_decode: bool) -> tuple[dict[str, list[int]], Engine]:
-    """Six requests prefilled, then 12 steps of their decodes beside two-token chunks
-    of a seventh prompt (shuffled blocks): mixed steps, which the eager forward runs."""
-    config = model.config
-    block_bytes = 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
-    engine = Engine(
-        model,
-        KVCacheBudget(num_bytes=NUM_POOL_BLOCKS * block_bytes, block_size=BLOCK_SIZE),
-        "cpu",
-        compile_decode=compile_decode,
-    )
-    rng = random.Random(7)
-    free_blocks = rng.sample(range(NUM_POOL_BLOCKS), 7 * 10)
-    prompts = {f"r{i}": [rng.randrange(3, 90) for _ in range(5 + 3 * i)] for i in range(6)}
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
-    grants = {rid: [free_blocks.pop() for _ in range(10)] for rid in [*prompts, "long"]}
-    output = engine.step(
-        StepPlan(
-            "g", 0, 0,
-            new_requests=[RequestSpec(rid, len(ids), GREEDY) for rid, ids in prompts.items()],
-            prefill_chunks=[PrefillChunk(rid, ids, 0) for rid, ids in prompts.items()],
-            block_grants={rid: grants[rid] for rid in prompts},
-        )
-    )  # fmt: skip
-    long_prompt = [rng.randrange(3, 90) for _ in range(26)]
-    for step in range(12):
-        for token in output.tokens:
-            tokens[token.request_id].append(token.token_id)
-        chunk = PrefillChunk("long", long_prompt[2 * step : 2 * step + 2], 2 * step)
-        output = engine.step(
-            StepPlan(
-                "g", 0, 0,
-                new_requests=[RequestSpec("long", len(long_prompt), GREEDY)] if step == 0 else [],
-                prefill_chunks=[chunk],
-                decode_request_ids=list(prompts),
-                block_grants={"long": grants["long"]} if step == 0 else {},
-            )
-        )  # fmt: skip
-    return tokens, engine
-
-
-def test_an_engines_mixed_steps_take_the_graph_for_their_decodes(tiny_model, monkeypatch):
-    """The worker's engine on the CPU: in steps that also prefill (the eager forward),
-    the decodes go through the compiled attention, with the same greedy tokens as
-    the engine without it."""
-    compiled_tokens, engine = _mixed_steps(tiny_model, compile_decode=True)
-    kernel = engine.backend.decode_kernel
-    assert isinstance(kernel, CompiledDecodeAttention)
-    eager_tokens, eager_engine = _mixed_steps(tiny_model, compile_decode=False)
-    assert eager_engine.backend.decode_kernel is None
-    assert compiled_tokens == eager_tokens
-    calls = _counting(monkeypatch, kernel)
-    chunk = PrefillChunk("long", [5, 6], 24)
-    engine.step(
-        StepPlan("g", 0, 0, prefill_chunks=[chunk], decode_request_ids=list(compiled_tokens))
-    )
-    assert calls == [(6, 10)] * tiny_model.config.num_layers

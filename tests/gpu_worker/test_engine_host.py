@@ -38,7 +38,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
-def _settings(model_dir: Path) -> WorkerSettings:
+def _settings(model_dir: Path, compile_decode: bool = False) -> WorkerSettings:
+    """The engine process's settings; it compiles its decode graphs (tens of seconds
+    the first time) only in the test that compares it with the eager engine thread."""
     return WorkerSettings(
         redis=RedisSettings(url="redis://127.0.0.1:1"),
         model=model_location(model_dir=str(model_dir)),
@@ -46,6 +48,7 @@ def _settings(model_dir: Path) -> WorkerSettings:
         device="cpu",
         dtype="float32",
         kv_cache_bytes=KV_CACHE_BYTES,
+        compile_decode=compile_decode,
     )
 
 
@@ -77,7 +80,7 @@ async def _run(host: EngineProcess | EngineThread) -> list[StepDone]:
 
 
 def test_the_engine_process_runs_plans_as_the_engine_thread_does(model_dir: Path) -> None:
-    process = EngineProcess(_settings(model_dir))
+    process = EngineProcess(_settings(model_dir, compile_decode=True))
     by_process = asyncio.run(_run(process))
     model = load_model(model_dir, device="cpu", dtype="float32")
     engine = Engine(model, KVCacheBudget(num_bytes=KV_CACHE_BYTES), "cpu", worker_id="w-host")
