@@ -36,6 +36,7 @@ from gpu_worker.quantized_linear import (
 from gpu_worker.unguarded_compile import max_relative_error
 from gpu_worker.weights import load_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+from tests.gpu_worker.attention_calls import count_attention_calls
 from tests.gpu_worker.tiny_models import (
     TINY_VOCAB_SIZE,
     on_a_q4_1_grid,
@@ -347,7 +348,7 @@ def test_batches_of_every_size_decode_through_one_graph_as_eagerly(
 def _mixed_steps(engine: Engine) -> dict[str, list[int]]:
     """Six requests prefilled, then 12 steps of their decodes beside two-token chunks
     of a seventh prompt (shuffled blocks): mixed steps, which the eager forward runs;
-    the six are released at the end."""
+    all seven are released at the end."""
     rng = random.Random(7)
     free_blocks = rng.sample(range(NUM_BLOCKS), 7 * 9)
     prompts = {f"m{i}": [rng.randrange(3, 90) for _ in range(5 + 3 * i)] for i in range(6)}
@@ -387,14 +388,7 @@ def test_mixed_steps_take_the_compiled_attention_for_their_decodes(
     place), with the same greedy tokens as the engine without it."""
     kernel = compiled_engine.backend.decode_kernel
     assert isinstance(kernel, CompiledDecodeAttention)
-    calls: list[tuple[int, ...]] = []
-    compiled = kernel._compiled
-
-    def counted(queries, key_blocks, value_blocks, block_ids, positions):
-        calls.append(tuple(block_ids.shape))
-        return compiled(queries, key_blocks, value_blocks, block_ids, positions)
-
-    monkeypatch.setattr(kernel, "_compiled", counted)
+    calls = count_attention_calls(monkeypatch, kernel)
     eager_engine = _engine(model, compile_decode=False)
     assert eager_engine.backend.decode_kernel is None
     assert _mixed_steps(compiled_engine) == _mixed_steps(eager_engine)

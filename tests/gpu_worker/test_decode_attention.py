@@ -24,6 +24,7 @@ from gpu_worker.decode_attention import (
     paged_decode_attention,
     pool_blocks,
 )
+from tests.gpu_worker.attention_calls import count_attention_calls
 from tests.gpu_worker.layouts import shuffled_layout
 
 CPU = torch.device("cpu")
@@ -86,24 +87,11 @@ def test_the_uncompiled_function_matches_the_reference(seed: int, num_kv_heads: 
     torch.testing.assert_close(actual, _reference(layout, queries, keys, values))
 
 
-def _counting(monkeypatch, kernel: CompiledDecodeAttention) -> list[tuple[int, int]]:
-    """(requests, blocks each) of every call the graph takes."""
-    calls: list[tuple[int, int]] = []
-    compiled = kernel._compiled
-
-    def counted(queries, key_blocks, value_blocks, block_ids, positions):
-        calls.append(tuple(block_ids.shape))
-        return compiled(queries, key_blocks, value_blocks, block_ids, positions)
-
-    monkeypatch.setattr(kernel, "_compiled", counted)
-    return calls
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_compiled_batches_of_decodes_match_the_reference(kernel, monkeypatch, seed: int) -> None:
     """Batches of 2 to 40 decodes at every edge length, and pools of another size
     than the warm-up's: one graph, the reference's result."""
-    calls = _counting(monkeypatch, kernel)
+    calls = count_attention_calls(monkeypatch, kernel)
     rng = random.Random(seed)
     layout = _layout(rng, [(1, rng.choice(EDGES[1:])) for _ in range(rng.randint(8, 40))])
     keys, values = _pool(seed)
@@ -121,7 +109,7 @@ def test_compiled_batches_of_decodes_match_the_reference(kernel, monkeypatch, se
 def test_scores_far_apart_stay_finite_and_exact(kernel, monkeypatch) -> None:
     """Keys 10^4 times larger: scores of hundreds of thousands, one slot takes all the
     weight; no overflow (the largest score is subtracted before exp)."""
-    calls = _counting(monkeypatch, kernel)
+    calls = count_attention_calls(monkeypatch, kernel)
     layout = _layout(random.Random(9), [(1, 30), (1, 0), (1, 63), (1, 17)])
     keys, values = _pool(9, scale=1e4)
     queries = torch.randn(
@@ -139,7 +127,7 @@ def test_scores_far_apart_stay_finite_and_exact(kernel, monkeypatch) -> None:
 def test_decodes_beside_prompt_chunks_take_the_graph_and_the_chunks_sdpa(kernel, monkeypatch):
     """A mixed step in any row order: the decodes' rows through the graph, the chunks'
     through SDPA, each written back to its own rows."""
-    calls = _counting(monkeypatch, kernel)
+    calls = count_attention_calls(monkeypatch, kernel)
     shapes = [(1, 20), (5, 3), (1, 9), (1, 0), (7, 0), (1, 33), (1, 12), (2, 14)]
     layout = _layout(random.Random(4), shapes)
     keys, values = _pool(4)
@@ -162,7 +150,7 @@ def test_decodes_beside_prompt_chunks_take_the_graph_and_the_chunks_sdpa(kernel,
 )
 def test_steps_too_small_for_the_graph_take_sdpa(kernel, monkeypatch, shapes) -> None:
     """One request, or fewer blocks in all than MIN_COMPILED_BLOCKS: SDPA is as fast."""
-    calls = _counting(monkeypatch, kernel)
+    calls = count_attention_calls(monkeypatch, kernel)
     layout = _layout(random.Random(2), shapes)
     keys, values = _pool(2)
     queries = torch.randn(
