@@ -25,7 +25,10 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-SCREENSHOTS = REPO / "docs" / "img"
+DOCS_SCREENSHOTS = REPO / "docs" / "img"
+# A run writes the docs' screenshots only when asked (`ORCAPOD_REFRESH_SCREENSHOTS=1
+# pytest tests/browser`): otherwise every run would dirty a clean checkout.
+REFRESH_SCREENSHOTS = "ORCAPOD_REFRESH_SCREENSHOTS"
 # Long enough for a 2-core machine that also runs chromium and the model.
 TIMEOUT_MS = 30_000
 
@@ -41,6 +44,16 @@ def browser() -> Iterator[Browser]:
         launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         yield launched
         launched.close()
+
+
+@pytest.fixture(scope="package")
+def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tests save the pages they show: the docs' folder when
+    ``ORCAPOD_REFRESH_SCREENSHOTS=1``, a temporary one otherwise."""
+    if os.environ.get(REFRESH_SCREENSHOTS) == "1":
+        DOCS_SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        return DOCS_SCREENSHOTS
+    return tmp_path_factory.mktemp("screenshots")
 
 
 @pytest.fixture

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, Locator, Page, WebSocketRoute, expect
 from websockets.sync.client import connect
 
-from tests.browser.conftest import SCREENSHOTS, record_banner, start_up
+from tests.browser.conftest import record_banner, start_up
 
 pytestmark = pytest.mark.model
 
@@ -90,7 +91,9 @@ def greedy_answer(url: str, question: str, max_tokens: int) -> str:
                 raise AssertionError(frame)
 
 
-def test_answers_stream_keep_the_conversation_and_stop_cancels(page: Page, port: int) -> None:
+def test_answers_stream_keep_the_conversation_and_stop_cancels(
+    page: Page, port: int, screenshots: Path
+) -> None:
     frames = sent_frames(page)
     page.goto(f"http://127.0.0.1:{port}/")
     ask(page, "What is the capital of France?", "0", "24")
@@ -122,8 +125,7 @@ def test_answers_stream_keep_the_conversation_and_stop_cancels(page: Page, port:
     assert generates[1]["temperature"] == 0.7 and generates[1]["max_tokens"] == 400
     cancels = [frame for frame in frames if frame["type"] == "cancel"]
     assert cancels == [{"type": "cancel", "id": generates[1]["id"]}]
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / "chat.png"))
+    page.screenshot(path=str(screenshots / "chat.png"))
 
 
 def test_a_dropped_socket_and_a_reload_resume_the_answer_in_place(page: Page, port: int) -> None:

@@ -19,7 +19,7 @@ from playwright.sync_api import Browser, Page, WebSocketRoute, expect
 from websockets.sync.client import connect
 
 from gateway.tenants import hash_key
-from tests.browser.conftest import SCREENSHOTS, record_banner, start_up
+from tests.browser.conftest import record_banner, start_up
 from tests.conftest import descendants
 from tests.up_process import UpProcess
 
@@ -112,7 +112,7 @@ def run_requests(port: int, num_per_tenant: int, max_tokens: int) -> threading.T
 
 
 def test_the_dashboard_shows_iterations_and_tenants_while_requests_run(
-    page: Page, port: int
+    page: Page, port: int, screenshots: Path
 ) -> None:
     page.set_viewport_size({"width": 1000, "height": 900})
     page.goto(f"http://127.0.0.1:{port}/dashboard")
@@ -143,8 +143,7 @@ def test_the_dashboard_shows_iterations_and_tenants_while_requests_run(
     )
     expect(page.locator("#banner")).to_be_hidden()
     expect(page.locator("#summary")).to_contain_text("policy fair")
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
+    page.screenshot(path=str(screenshots / "dashboard.png"), full_page=True)
     load.join(timeout=120)
 
 
