@@ -231,11 +231,12 @@ def _check_prompt_token_ids(prompt_token_ids: list[int], limits: ModelLimits) ->
 def _check_sampling(generate: Generate, limits: ModelLimits) -> None:
     """The ranges of shared/protocol.py again, for a ``Generate`` built without the
     decoder, and what only the gateway knows (its max_tokens cap, the context)."""
-    # `not (low <= x <= high)` refuses NaN as well; math.isfinite says why for ±inf.
-    if not (math.isfinite(generate.temperature) and 0 <= generate.temperature <= 100):
-        raise _invalid(f"temperature {generate.temperature} is not a finite number in [0, 100]")
-    if not (math.isfinite(generate.top_p) and 0 < generate.top_p <= 1):
-        raise _invalid(f"top_p {generate.top_p} is not a finite number in (0, 1]")
+    _check_finite("temperature", generate.temperature)
+    if not 0 <= generate.temperature <= 100:
+        raise _invalid(f"temperature {generate.temperature} is not in [0, 100]")
+    _check_finite("top_p", generate.top_p)
+    if not 0 < generate.top_p <= 1:
+        raise _invalid(f"top_p {generate.top_p} is not in (0, 1]")
     for name, value in (
         ("top_k", generate.top_k),
         ("seed", generate.seed),
@@ -244,6 +245,13 @@ def _check_sampling(generate: Generate, limits: ModelLimits) -> None:
         if value is not None and not 0 <= value <= 2**63 - 1:
             raise _invalid(f"{name} {value} is not in [0, 2**63 - 1]")
     _check_token_counts(generate, limits)
+
+
+def _check_finite(name: str, value: float) -> None:
+    """NaN and ±inf are refused before any range is checked, and said so: a range
+    check alone would refuse them, but with a message that reads as a bound."""
+    if not math.isfinite(value):
+        raise _invalid(f"{name} {value} is not a finite number")
 
 
 def _check_token_counts(generate: Generate, limits: ModelLimits) -> None:

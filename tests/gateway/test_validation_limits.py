@@ -128,6 +128,23 @@ def test_check_generate_refuses_non_finite_numbers_built_without_the_decoder(
     assert error.value.code == "invalid_request"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", 1e308, "temperature 1e+308 is not in [0, 100]"),
+        ("temperature", -5e-324, "temperature -5e-324 is not in [0, 100]"),
+        ("top_p", 0.0, "top_p 0.0 is not in (0, 1]"),
+        ("top_p", 1.0000000000000002, "top_p 1.0000000000000002 is not in (0, 1]"),
+    ],
+)
+def test_a_finite_number_out_of_range_is_told_by_its_range(
+    model_limits: ModelLimits, field: str, value: float, message: str
+) -> None:
+    with pytest.raises(RequestValidationError) as error:
+        check_generate(Generate(id="g", prompt="Hi", **{field: value}), model_limits)
+    assert error.value.message == message
+
+
 @pytest.mark.parametrize("field", ["top_k", "seed"])
 def test_top_k_and_seed_boundaries(run, field: str) -> None:
     for value in (0, 2**63 - 1):
