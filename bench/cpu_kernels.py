@@ -1,0 +1,267 @@
+"""Candidate CPU kernels for one decode token's layer matrices, side by side.
+
+    python bench/cpu_kernels.py [--threads 2] [--emulate-avx2] [--out FILE.json]
+
+What a lone decode step reads from its 30 layers, one kernel at a time: each of
+SmolLM2-135M's four layer matrices (q/k/v fused, o, gate/up fused, down) at one
+row of activations, on random weights on llama.cpp's Q4_1 grid (a scale and a
+minimum per 32 values, as the packaged model's layers), in every form this CPU
+can run:
+
+- ``float32``: ``F.linear`` (the exact mode);
+- ``float16 fbgemm``: fbgemm's fp16 kernel, as ``--weights float16`` runs eagerly;
+- ``float16 loop``: the products and sum that inductor fuses, as the compiled
+  decode reads a float16 layer (one compiled function per matrix, so its
+  Python wrapper is counted);
+- ``int4 torch``: ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations), as
+  ``--weights int4`` runs;
+- ``onnxruntime 4-bit``: ONNX Runtime's ``MatMulNBits`` with 4-bit integer zero
+  points and int8 compute (``accuracy_level`` 4): Q4_1's minimum rounded to a
+  whole level, so not exact;
+- ``onnxruntime float zero``: the same op with Q4_1's minimum as a float zero
+  point (exact up to rounding);
+- ``numba``: an exact Q4_1 loop (rows as vector lanes) compiled by numba.
+
+The last three run only where ``onnxruntime``/``onnx`` and ``numba`` import;
+they are not orcapod's dependencies (``pip install --target DIR onnxruntime
+onnx numba`` and ``PYTHONPATH=DIR``). ``--emulate-avx2`` reruns the script with
+``ATEN_CPU_CAPABILITY=avx2`` (torch's kernels and inductor's code), fbgemm,
+oneDNN and MKL held to AVX2 and ``NUMBA_CPU_NAME=haswell``, on an AVX-512 CPU;
+ONNX Runtime picks its kernels from ``cpuid`` and cannot be held to AVX2, so
+its rows say ``native``.
+
+Prints the median time a call, GB/s of the form's bytes, the largest error
+against the fp32 product (relative to the largest output) and the sum for 30
+layers; writes JSON. Never run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GROUP = 32
+LAYERS = 30
+# SmolLM2-135M: hidden 576, 9 query heads and 3 K/V heads of 64, MLP 1536.
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "NUMBA_CPU_NAME": "haswell",
+    "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2",
+    # inductor's kernels for another ISA must not share the AVX-512 ones' cache.
+    "TORCHINDUCTOR_CACHE_DIR": str(Path.home() / ".cache" / "orcapod" / "inductor-avx2-bench"),
+}
+
+Kernel = Callable[[Any], Any]
+
+
+class Q4Matrix:
+    """Random ``[out, in]`` weights on the Q4_1 grid: ``levels * scale + minimum``."""
+
+    def __init__(self, out_features: int, in_features: int, seed: int) -> None:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        groups = in_features // GROUP
+        self.levels = torch.randint(0, 16, (out_features, groups, GROUP), generator=generator)
+        self.levels[..., :2] = torch.tensor([0, 15])  # as a quantizer makes them: 0..15
+        self.scale = torch.rand(out_features, groups, generator=generator) * 0.01 + 1e-4
+        noise = torch.randn(out_features, groups, generator=generator) * 1e-3
+        self.minimum = -7.5 * self.scale + noise
+        self.weight = (self.levels * self.scale[..., None] + self.minimum[..., None]).reshape(
+            out_features, in_features
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
+
+def torch_kernels(matrix: Q4Matrix) -> dict[str, tuple[Kernel, int]]:
+    """orcapod's own forms: each a callable on ``x`` [1, in] fp32, and its bytes."""
+    import torch
+    import torch.nn.functional as F
+
+    from gpu_worker.quantized_linear import Float16Linear, Int4Kernel, PackError
+
+    weight = matrix.weight.contiguous()
+    fp16 = Float16Linear.pack(weight)
+    plain = fp16.weight
+    assert plain is not None
+    loop = torch.compile(lambda x: (plain.float() * x[:, None, :]).sum(-1), dynamic=False)
+    kernels: dict[str, tuple[Kernel, int]] = {
+        "float32": (lambda x: F.linear(x, weight), weight.nbytes),
+        "float16 fbgemm": (fp16, 2 * weight.numel()),
+        "float16 loop": (loop, plain.nbytes),
+    }
+    try:
+        int4 = Int4Kernel.pack(weight)
+        kernels["int4 torch"] = (lambda x: int4(x).float(), int4.num_bytes)
+    except (PackError, RuntimeError) as error:
+        print(f"int4 torch: {error}", file=sys.stderr)
+    return kernels
+
+
+def onnxruntime_kernels(matrix: Q4Matrix, threads: int) -> dict[str, tuple[Kernel, int]]:
+    """``MatMulNBits`` twice: 4-bit integer zero points (the minimum rounded to a
+    level) and float zero points (Q4_1's minimum as it is)."""
+    import numpy as np
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    out_features, in_features = matrix.shape
+    groups = in_features // GROUP
+    levels = matrix.levels.numpy().astype(np.uint8)  # [out, groups, 32]
+    # ONNX's 4-bit blocks: element 2k in the low nibble of byte k, 2k+1 in the high.
+    packed = (levels[..., 0::2] | (levels[..., 1::2] << 4)).astype(np.uint8)
+    scale = matrix.scale.numpy().astype(np.float32)
+    zero = -matrix.minimum.numpy() / scale  # w = (level - zero) * scale
+    whole_zero = np.clip(np.rint(zero), 0, 15).astype(np.uint8)
+    whole_zero_packed = np.zeros((out_features, (groups + 1) // 2), np.uint8)
+    for group in range(groups):
+        shift = 4 * (group % 2)
+        whole_zero_packed[:, group // 2] |= whole_zero[:, group] << shift
+
+    def session(zero_points: Any) -> Kernel:
+        initializers = [
+            numpy_helper.from_array(packed, "B"),
+            numpy_helper.from_array(scale.reshape(-1), "S"),
+            numpy_helper.from_array(zero_points.reshape(-1), "Z"),
+        ]
+        node = helper.make_node(
+            "MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft",
+            K=in_features, N=out_features, bits=4, block_size=GROUP, accuracy_level=4,
+        )  # fmt: skip
+        graph = helper.make_graph(
+            [node], "matmul",
+            [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, in_features])],
+            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, out_features])],
+            initializers,
+        )  # fmt: skip
+        opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+        model = helper.make_model(graph, opset_imports=opsets)
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        ready = onnxruntime.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        return lambda x: ready.run(None, {"A": x.numpy()})[0]
+
+    bytes_4bit = packed.nbytes + scale.nbytes
+    whole_zero_kernel = session(whole_zero_packed)
+    float_zero_kernel = session(zero.astype(np.float32))
+    return {
+        "onnxruntime 4-bit (native)": (whole_zero_kernel, bytes_4bit + whole_zero_packed.nbytes),
+        "onnxruntime float zero (native)": (float_zero_kernel, 2 * bytes_4bit),
+    }
+
+
+def numba_kernel(matrix: Q4Matrix, threads: int) -> dict[str, tuple[Kernel, int]]:
+    import numpy as np
+
+    from bench.cpu_kernels_numba import Q4RowsAsLanes
+
+    levels = matrix.levels.numpy().astype(np.uint8)
+    kernel = Q4RowsAsLanes(levels, matrix.scale.numpy(), matrix.minimum.numpy(), threads)
+    return {"numba": (lambda x: kernel(x.numpy()[0]), kernel.num_bytes)}
+
+
+def time_call(kernel: Kernel, x: Any, seconds: float) -> float:
+    for _ in range(20):
+        kernel(x)
+    samples = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(samples) < 50:
+        start = time.perf_counter()
+        for _ in range(10):
+            kernel(x)
+        samples.append((time.perf_counter() - start) / 10)
+    return statistics.median(samples)
+
+
+def measure(threads: int, seconds: float) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(threads)
+    results: dict[str, dict[str, Any]] = {}
+    for index, (name, (out_features, in_features)) in enumerate(SHAPES.items()):
+        matrix = Q4Matrix(out_features, in_features, seed=index)
+        kernels = torch_kernels(matrix)
+        if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
+            kernels |= onnxruntime_kernels(matrix, threads)
+        if importlib.util.find_spec("numba"):
+            kernels |= numba_kernel(matrix, threads)
+        x = torch.randn(1, in_features)
+        reference = (x.double() @ matrix.weight.double().T)[0]
+        for kind, (kernel, num_bytes) in kernels.items():
+            out = torch.as_tensor(np.asarray(kernel(x)), dtype=torch.float64).reshape(-1)
+            error = float((out - reference).abs().max() / reference.abs().max())
+            seconds_per_call = time_call(kernel, x, seconds)
+            results.setdefault(kind, {})[name] = {
+                "us": seconds_per_call * 1e6,
+                "gb_per_s": num_bytes / seconds_per_call / 1e9,
+                "relative_error": error,
+            }
+            print(f"{kind:32s} {name:8s} {seconds_per_call * 1e6:8.1f} us", file=sys.stderr)
+    for per_shape in results.values():
+        if len(per_shape) == len(SHAPES):
+            per_shape["30 layers ms"] = LAYERS * sum(e["us"] for e in per_shape.values()) / 1e3
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    names = list(SHAPES)
+    columns = " | ".join(f"{n} µs (GB/s)" for n in names)
+    print(f"\n| kernel | {columns} | 30 layers ms | max error |")
+    print("|---|" + "---:|" * (len(names) + 2))
+    for kind, per_shape in results.items():
+        cells = [
+            f"{per_shape[n]['us']:.1f} ({per_shape[n]['gb_per_s']:.1f})" if n in per_shape else "-"
+            for n in names
+        ]
+        total = per_shape.get("30 layers ms")
+        error = max(per_shape[n]["relative_error"] for n in names if n in per_shape)
+        print(f"| {kind} | " + " | ".join(cells) + f" | {total:.2f} | {error:.1e} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing per kernel and shape")
+    parser.add_argument("--emulate-avx2", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_kernels.json"))
+    args = parser.parse_args()
+    if args.emulate_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        argv = [sys.executable, *sys.argv]
+        os.execve(sys.executable, argv, {**os.environ, **AVX2_ENV})
+    from bench.profile_engine import machine
+
+    results = measure(args.threads, args.seconds)
+    print_table(results)
+    report = {
+        "machine": machine(),
+        "threads": args.threads,
+        "emulated_avx2": args.emulate_avx2,
+        "kernels": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
