@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -36,10 +37,13 @@ class UpProcess:
         self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         stdout = self.process.stdout
         assert stdout is not None
-        self._reader = threading.Thread(
-            target=lambda: [self._lines.put(line) for line in stdout], daemon=True
-        )
+        self._reader = threading.Thread(target=self._read_lines, args=(stdout,), daemon=True)
         self._reader.start()
+
+    def _read_lines(self, stdout: IO[str]) -> None:
+        """The reader thread: every line the process prints, until it closes stdout."""
+        for line in stdout:
+            self._lines.put(line)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Return once it printed that it is ready; fail the test (and kill it) if
