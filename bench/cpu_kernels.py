@@ -1,6 +1,6 @@
 """Candidate CPU kernels for one decode token's layer matrices, side by side.
 
-    python bench/cpu_kernels.py [--threads 2] [--emulate-avx2] [--out FILE.json]
+    python bench/cpu_kernels.py [--threads 2] [--calls 500] [--emulate-avx2] [--out FILE.json]
 
 What a lone decode step reads from its 30 layers, one kernel at a time: each of
 SmolLM2-135M's four layer matrices (q/k/v fused, o, gate/up fused, down) at one
@@ -38,12 +38,11 @@ layers; writes JSON. Never run by the test suite.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -179,22 +178,11 @@ def numba_kernel(matrix: Q4Matrix, threads: int) -> dict[str, tuple[Kernel, int]
     return {"numba": (lambda x: kernel(x.numpy()[0]), kernel.num_bytes)}
 
 
-def time_call(kernel: Kernel, x: Any, seconds: float) -> float:
-    for _ in range(20):
-        kernel(x)
-    samples = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(samples) < 50:
-        start = time.perf_counter()
-        for _ in range(10):
-            kernel(x)
-        samples.append((time.perf_counter() - start) / 10)
-    return statistics.median(samples)
-
-
-def measure(threads: int, seconds: float) -> dict[str, Any]:
+def measure(threads: int, calls: int) -> dict[str, Any]:
     import numpy as np
     import torch
+
+    from bench.engine import median_s
 
     torch.set_num_threads(threads)
     results: dict[str, dict[str, Any]] = {}
@@ -210,7 +198,7 @@ def measure(threads: int, seconds: float) -> dict[str, Any]:
         for kind, (kernel, num_bytes) in kernels.items():
             out = torch.as_tensor(np.asarray(kernel(x)), dtype=torch.float64).reshape(-1)
             error = float((out - reference).abs().max() / reference.abs().max())
-            seconds_per_call = time_call(kernel, x, seconds)
+            seconds_per_call = median_s(functools.partial(kernel, x), calls)
             results.setdefault(kind, {})[name] = {
                 "us": seconds_per_call * 1e6,
                 "gb_per_s": num_bytes / seconds_per_call / 1e9,
@@ -241,16 +229,17 @@ def print_table(results: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=1.0, help="timing per kernel and shape")
+    parser.add_argument("--calls", type=int, default=500, help="timed calls per kernel and shape")
     parser.add_argument("--emulate-avx2", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_kernels.json"))
     args = parser.parse_args()
+    # Every library is imported below this, so a rerun's imports see AVX2_ENV.
     if args.emulate_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
         argv = [sys.executable, *sys.argv]
         os.execve(sys.executable, argv, {**os.environ, **AVX2_ENV})
     from bench.profile_engine import machine
 
-    results = measure(args.threads, args.seconds)
+    results = measure(args.threads, args.calls)
     print_table(results)
     report = {
         "machine": machine(),
