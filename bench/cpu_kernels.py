@@ -121,18 +121,17 @@ def onnxruntime_kernels(matrix: Q4Matrix, threads: int) -> dict[str, tuple[Kerne
     import onnxruntime
     from onnx import TensorProto, helper, numpy_helper
 
+    def nibbles(values: Any) -> Any:
+        """ONNX's 4-bit order: value 2k in the low nibble of byte k, 2k+1 in the high."""
+        if values.shape[-1] % 2:
+            values = np.concatenate([values, np.zeros_like(values[..., :1])], axis=-1)
+        return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
     out_features, in_features = matrix.shape
-    groups = in_features // GROUP
-    levels = matrix.levels.numpy().astype(np.uint8)  # [out, groups, 32]
-    # ONNX's 4-bit blocks: element 2k in the low nibble of byte k, 2k+1 in the high.
-    packed = (levels[..., 0::2] | (levels[..., 1::2] << 4)).astype(np.uint8)
+    packed = nibbles(matrix.levels.numpy().astype(np.uint8))  # [out, groups, 16]
     scale = matrix.scale.numpy().astype(np.float32)
-    zero = -matrix.minimum.numpy() / scale  # w = (level - zero) * scale
-    whole_zero = np.clip(np.rint(zero), 0, 15).astype(np.uint8)
-    whole_zero_packed = np.zeros((out_features, (groups + 1) // 2), np.uint8)
-    for group in range(groups):
-        shift = 4 * (group % 2)
-        whole_zero_packed[:, group // 2] |= whole_zero[:, group] << shift
+    zero = (-matrix.minimum.numpy() / scale).astype(np.float32)  # w = (level - zero) * scale
+    whole_zero_packed = nibbles(np.clip(np.rint(zero), 0, 15).astype(np.uint8))
 
     def session(zero_points: Any) -> Kernel:
         initializers = [
@@ -160,11 +159,12 @@ def onnxruntime_kernels(matrix: Q4Matrix, threads: int) -> dict[str, tuple[Kerne
         return lambda x: ready.run(None, {"A": x.numpy()})[0]
 
     bytes_4bit = packed.nbytes + scale.nbytes
-    whole_zero_kernel = session(whole_zero_packed)
-    float_zero_kernel = session(zero.astype(np.float32))
     return {
-        "onnxruntime 4-bit (native)": (whole_zero_kernel, bytes_4bit + whole_zero_packed.nbytes),
-        "onnxruntime float zero (native)": (float_zero_kernel, 2 * bytes_4bit),
+        "onnxruntime 4-bit (native)": (
+            session(whole_zero_packed),
+            bytes_4bit + whole_zero_packed.nbytes,
+        ),
+        "onnxruntime float zero (native)": (session(zero), bytes_4bit + zero.nbytes),
     }
 
 
