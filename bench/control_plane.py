@@ -184,8 +184,9 @@ class Workload:
 def engine_alone(model_dir: Path, workload: Workload, context: int, duration_s: float) -> Row:
     """``Engine.step`` under the service's load for ``duration_s``, then one decode
     step of the batch at exactly ``context`` (median of 20)."""
-    from gpu_worker.engine import Engine, load_model
+    from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget
+    from gpu_worker.model_loading import load_model
     from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 
     engine = Engine(load_model(model_dir, "cpu", "float32"), KVCacheBudget(KV_CACHE_BYTES))

@@ -47,14 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import transformers
 
-from gpu_worker.attention import BACKEND_NAMES, make_backend
+from gpu_worker.attention import BACKEND_NAMES, AttentionBackend, make_backend
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.device import DTYPES, choose_dtype, cpu_has_native_bf16
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.model_config import ModelConfig, RopeScaling
+from gpu_worker.model_loading import load_model
 from gpu_worker.weights import random_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import WEIGHT_FORMATS, model_location
@@ -144,6 +145,13 @@ def prefill_plan(prompts: dict[str, list[int]]) -> StepPlan:
 
 def release_plan(request_ids: list[str]) -> StepPlan:
     return StepPlan(worker_id="bench", epoch=0, step_index=0, released_request_ids=request_ids)
+
+
+def use_backend(engine: Engine, backend: AttentionBackend) -> None:
+    """The engine's eager steps through ``backend`` (its decodes through the paged
+    attention where it has one)."""
+    engine.paths.backend = backend
+    engine.paths.paged_backend = backend if getattr(backend, "decode_kernel", None) else None
 
 
 def rewind(engine: Engine, request_ids: list[str], num_cached_tokens: int) -> None:
@@ -242,7 +250,7 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
     )
     engine = Engine(ours, budget, "cpu", compile_decode=args.compile_decode)
     # The compiled decode attention (None without --compile-decode), kept across the sweep.
-    decode_kernel = getattr(engine.backend, "decode_kernel", None)
+    decode_kernel = engine.paths.paged_attention
     request_ids = [f"r{i}" for i in range(max_batch)]
     fill_s = []
     for start in range(0, max_batch, FILL_GROUP):
@@ -262,7 +270,7 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
         for backend in backends.values():
 
             def before(backend: Any = backend, batch: int = batch) -> None:
-                engine.backend = backend
+                use_backend(engine, backend)
                 rewind(engine, request_ids[:batch], context - 1)
 
             decode = StepPlan("bench", 0, 0, decode_request_ids=request_ids[:batch])
@@ -274,7 +282,7 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
                             step_s))  # fmt: skip
         rows.append(row("decode", dtype_name, "transformers", batch, batch, None, their_s))
     for backend_name, backend in backends.items():
-        engine.backend = backend
+        use_backend(engine, backend)
         step_s = our_prefill_s(engine, [tokens(args.prefill_len)], args.repeats)
         attended = prefill_attended(args.prefill_len)
         rows.append(row("prefill", dtype_name, backend_name, 1, args.prefill_len, attended, step_s))

@@ -267,8 +267,9 @@ def orcapod_engine(threads: int, weight_format: str, compile_decode: bool) -> di
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from gpu_worker.engine import Engine, load_model
+    from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget
+    from gpu_worker.model_loading import load_model
     from gpu_worker.quantized_linear import weight_format_of
     from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
     from shared.settings import model_location

@@ -72,10 +72,11 @@ from torch.profiler import ProfilerActivity, profile
 import gpu_worker.attention as attention_module
 import gpu_worker.engine as engine_module
 from gpu_worker.block_tables import blocks_for
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import grant_free_blocks, step_alone
+from gpu_worker.model_loading import load_model
 from gpu_worker.weights import random_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import WEIGHT_FORMATS, model_location

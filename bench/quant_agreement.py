@@ -49,11 +49,12 @@ import transformers
 from bench.engine import median_s, prefill_plan, release_plan, rewind
 from bench.profile_engine import machine
 from gpu_worker.block_tables import blocks_for
-from gpu_worker.engine import Engine, probe_logits
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.model_config import load_model_config
+from gpu_worker.model_loading import probe_logits
 from gpu_worker.quantized_linear import (
     MAX_PROBE_LOGIT_ERROR,
     WEIGHT_FORMATS,

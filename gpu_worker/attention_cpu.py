@@ -1,8 +1,9 @@
 """Vectorised attention for the CPU: all requests in a few ops from the block tables.
 
 Decoding requests (one new token each) are one batched call: the compiled
-decode attention (``decode_attention.py``), which reads their blocks in the
-pool, where the engine has one (two requests or more), else one SDPA call
+paged attention (``decode_attention.py``), which reads their blocks in the
+pool, where the engine has one and the step's path takes it
+(``step_path.takes_paged_attention``), else one SDPA call
 over their gathered, padded K/V; prompt chunks are a second SDPA call padded
 to the longest chunk. Splitting the two keeps a long prefill from padding
 every decode's query to its length.
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention import SequenceLayout, block_ids, causal_mask
-from gpu_worker.decode_attention import MIN_BLOCKS, CompiledDecodeAttention
+from gpu_worker.decode_attention import CompiledDecodeAttention, DecodeInputs, decode_inputs
+from gpu_worker.step_path import takes_paged_attention
 
 _SHRINK_FACTOR = 4
 
@@ -50,10 +52,9 @@ class _Group:
     # (a lone chat, as the ledger hands out blocks): its K/V is read in place,
     # a view of the pool, instead of copied.
     block_slice: tuple[int, int] | None
-    # For the compiled decode attention (decodes only, where it fits): each request's
-    # block ids, padded to at least MIN_BLOCKS, and its new token's position.
-    decode_block_ids: torch.Tensor | None = None  # [B, max(max_blocks, MIN_BLOCKS)]
-    decode_positions: torch.Tensor | None = None  # [B]
+    # For the compiled paged attention (decodes only, where the step's path takes it:
+    # ``step_path.takes_paged_attention``).
+    decode_inputs: DecodeInputs | None = None
 
 
 def _group(
@@ -83,12 +84,7 @@ def _group(
     consecutive = (
         len(layout) == 1 and bool(table) and table == list(range(table[0], table[0] + len(table)))
     )
-    decode_block_ids = decode_positions = None
-    if decode_kernel is not None and max(num_query_tokens) == 1:
-        padding = max(0, MIN_BLOCKS - tables.shape[1])  # block 0, past every position: masked
-        decode_block_ids = F.pad(tables, (0, padding))
-        positions = [sequence.num_cached_tokens for sequence in layout]
-        decode_positions = torch.tensor(positions, dtype=torch.int64, device=device)
+    paged = max(num_query_tokens) == 1 and takes_paged_attention(decode_kernel, layout)
     return _Group(
         query_rows=query_rows.to(device),
         valid=valid.to(device),
@@ -99,8 +95,7 @@ def _group(
         output_rows=query_rows[valid].to(device),
         row_slice=(first, first + len(layout)) if in_order else None,
         block_slice=(table[0], len(table)) if consecutive else None,
-        decode_block_ids=decode_block_ids,
-        decode_positions=decode_positions,
+        decode_inputs=decode_inputs(layout, device) if paged else None,
     )
 
 
@@ -172,21 +167,12 @@ class CpuAttention:
         assert isinstance(prepared, list)
         output = torch.empty_like(queries)  # [T, heads, head_dim]
         for index, group in enumerate(prepared):
-            kernel = self.decode_kernel
-            if (
-                kernel is not None
-                and group.decode_block_ids is not None
-                and group.decode_positions is not None
-                and kernel.fits(
-                    len(group.decode_block_ids), group.decode_block_ids.shape[1], queries, keys
-                )
-            ):
+            if group.decode_inputs is not None:
+                assert self.decode_kernel is not None
                 rows: slice | torch.Tensor = group.output_rows
                 if group.row_slice is not None:
                     rows = slice(*group.row_slice)
-                output[rows] = kernel(
-                    queries[rows], keys, values, group.decode_block_ids, group.decode_positions
-                )
+                output[rows] = self.decode_kernel(queries[rows], keys, values, group.decode_inputs)
             elif group.row_slice is not None:
                 first, end = group.row_slice
                 query = queries[first:end].unsqueeze(2)  # [B, heads, 1, head_dim]

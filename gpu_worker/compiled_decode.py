@@ -38,14 +38,19 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 import torch
 
 from gpu_worker.attention import SequenceLayout, decodes_within
-from gpu_worker.decode_attention import MIN_BLOCKS, paged_decode_attention, pool_blocks
+from gpu_worker.block_tables import blocks_for
+from gpu_worker.decode_attention import (
+    MIN_BLOCKS,
+    DecodeInputs,
+    decode_inputs,
+    paged_decode_attention,
+    pool_blocks,
+)
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.quantized_linear import (
@@ -55,7 +60,7 @@ from gpu_worker.quantized_linear import (
     traceable,
     traceable_for_batches,
 )
-from gpu_worker.unguarded_compile import compile_unguarded, max_relative_error
+from gpu_worker.unguarded_compile import UnguardedGraph, max_relative_error
 
 # The largest batch the batch graph takes (a bound dynamo's shape reasoning needs).
 BATCH_MAX_REQUESTS = 4096
@@ -84,35 +89,8 @@ _UNDECORATED_FINAL_HIDDEN = LlamaModel.final_hidden.__wrapped__  # type: ignore[
 _UNDECORATED_LOGITS = LlamaModel.logits.__wrapped__  # type: ignore[attr-defined]
 
 
-class DecodeRunner(Protocol):
-    """Runs some decode-only steps faster than the eager forward: CUDA graphs
-    (``cuda_graphs.py``) or the compiled graph here."""
-
-    def fits(self, layout: list[SequenceLayout]) -> bool:
-        """Whether ``run`` can take this step (one new token per request)."""
-        ...
-
-    def run(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        layout: list[SequenceLayout],
-    ) -> torch.Tensor:
-        """Logits [requests, vocab] (fp32) of the step; its K/V are written."""
-        ...
-
-
 class DecodeCompileError(RuntimeError):
     """The decode step cannot be compiled here, or its result strays; the eager forward runs."""
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """What attention needs of the step: tensors only, so nothing is baked into the graph."""
-
-    block_ids: torch.Tensor  # [requests, max(blocks, MIN_BLOCKS)] int64
-    positions: torch.Tensor  # [requests] int64: each new token's; slots past it are masked
 
 
 class GraphDecodeAttention:
@@ -125,19 +103,9 @@ class GraphDecodeAttention:
 
     def prepare(
         self, layout: list[SequenceLayout], block_size: int, device: torch.device
-    ) -> DecodePlan:
-        """Block tables padded (each with its own last block, masked) to the longest
-        and to at least MIN_BLOCKS."""
-        width = max(MIN_BLOCKS, *(len(sequence.block_table) for sequence in layout))
-        rows = [s.block_table + [s.block_table[-1]] * (width - len(s.block_table)) for s in layout]
-        return DecodePlan(
-            block_ids=torch.tensor(rows, dtype=torch.int64, device=device),
-            positions=torch.tensor(
-                [sequence.num_cached_tokens for sequence in layout],
-                dtype=torch.int64,
-                device=device,
-            ),
-        )
+    ) -> DecodeInputs:
+        """The decodes' padded block tables and positions (``decode_inputs``)."""
+        return decode_inputs(layout, device)
 
     def write_kv(
         self,
@@ -161,7 +129,7 @@ class GraphDecodeAttention:
         of microseconds a layer at one query, on blocks copied for it: a token 10 %
         faster at 128 tokens of context, 17 % at 1,200: docs/benchmarks.md,
         *Issue 14, seventh step*)."""
-        assert isinstance(prepared, DecodePlan)
+        assert isinstance(prepared, DecodeInputs)
         return _ATTENTION_REGION(
             queries,
             pool_blocks(keys, self.block_size),
@@ -182,6 +150,7 @@ class _DecodeGraph:
         kv_cache: PagedKVCache,
         min_requests: int,
         max_requests: int,
+        max_blocks: int,
         head_in_graph: bool,
         max_logit_error: float = MAX_LOGIT_ERROR,
     ) -> None:
@@ -192,8 +161,19 @@ class _DecodeGraph:
         self.head_in_graph = head_in_graph
         self.max_logit_error = max_logit_error
         self.backend = GraphDecodeAttention(kv_cache.block_size)
-        self._compiled = compile_unguarded(_DecodeGraph._forward, bound_to=self)
+        requests = {0: (min_requests, max_requests)} if max_requests > min_requests else {}
+        blocks = (MIN_BLOCKS, max_blocks)
+        # Inputs: token ids, positions, slots, block ids, decode positions, logits rows.
+        dynamic = {index: requests for index in range(6)} | {3: requests | {1: blocks}}
+        self._compiled = UnguardedGraph(_DecodeGraph._forward, bound_to=self, dynamic=dynamic)
         self.compile_s = 0.0
+
+    @property
+    def name(self) -> str:
+        """``graph[1]``, ``graph[2-8]``: the sizes of steps it takes (``step_path.py``)."""
+        if self.min_requests == self.max_requests:
+            return f"graph[{self.min_requests}]"
+        return f"graph[{self.min_requests}-{self.max_requests}]"
 
     def run(
         self,
@@ -201,25 +181,18 @@ class _DecodeGraph:
         positions: list[int],
         slots: list[int],
         layout: list[SequenceLayout],
-        max_blocks: int,
     ) -> torch.Tensor:
         """Logits [requests, vocab] (fp32); the step's K/V are written."""
-        plan = self.backend.prepare(layout, self.kv_cache.block_size, self.model.device)
-        inputs = (
-            torch.tensor(token_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(slots, dtype=torch.int64),
-            plan,
-            torch.arange(len(layout)),
-        )
-        # Read at the first call only (the compile); later calls skip dynamo's checks.
-        torch._dynamo.mark_dynamic(plan.block_ids, 1, min=MIN_BLOCKS, max=max_blocks)
-        if self.max_requests > self.min_requests:
-            requests = dict(min=self.min_requests, max=self.max_requests)
-            for tensor in (*inputs[:3], plan.block_ids, plan.positions, inputs[4]):
-                torch._dynamo.mark_dynamic(tensor, 0, **requests)
+        inputs = self.backend.prepare(layout, self.kv_cache.block_size, self.model.device)
         with torch.no_grad():
-            out = self._compiled(*inputs)
+            out = self._compiled(
+                torch.tensor(token_ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64),
+                torch.tensor(slots, dtype=torch.int64),
+                inputs.block_ids,
+                inputs.positions,
+                torch.arange(len(layout)),
+            )
         return out if self.head_in_graph else self.model.logits(out)
 
     def _forward(
@@ -227,17 +200,19 @@ class _DecodeGraph:
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
-        plan: DecodePlan,
+        block_ids: torch.Tensor,
+        decode_positions: torch.Tensor,
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """The logits, or the final hidden states where the head is not ``head_in_graph``."""
+        inputs = DecodeInputs(block_ids, decode_positions)
         last = _UNDECORATED_FINAL_HIDDEN(
-            self.model, token_ids, positions, slot_mapping, self.kv_cache, self.backend, plan,
+            self.model, token_ids, positions, slot_mapping, self.kv_cache, self.backend, inputs,
             logits_rows,
         )  # fmt: skip
         return _UNDECORATED_LOGITS(self.model, last) if self.head_in_graph else last
 
-    def warm_up(self, num_requests: int, max_blocks: int) -> float:
+    def warm_up(self, num_requests: int) -> float:
         """Compile on a step of ``num_requests`` requests at position 1 of blocks
         2i and 2i + 1, then check it against the eager forward of the same step."""
         from gpu_worker.attention_cpu import CpuAttention
@@ -250,7 +225,7 @@ class _DecodeGraph:
         ones = [1] * num_requests
         started = time.perf_counter()
         try:
-            compiled = self.run(ones, ones, slots, layout, max_blocks)
+            compiled = self.run(ones, ones, slots, layout)
         except Exception as error:  # inductor's failures have no common type
             raise DecodeCompileError(f"{type(error).__name__}: {error}") from error
         self.compile_s = time.perf_counter() - started
@@ -299,7 +274,7 @@ class CompiledDecode:
         self.model = model
         self.kv_cache = kv_cache
         self.max_blocks = max(
-            MIN_BLOCKS + 1, -(-model.config.max_position_embeddings // kv_cache.block_size)
+            MIN_BLOCKS + 1, blocks_for(model.config.max_position_embeddings, kv_cache.block_size)
         )
         # The worker is silent while this runs: say why, and where the result is kept.
         _log.info(
@@ -307,19 +282,41 @@ class CompiledDecode:
             note="tens of seconds a graph the first time, a few once cached",
             cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"),
         )
-        lone = _DecodeGraph(model, kv_cache, 1, 1, traceable(model.weights.lm_head))
-        self.compile_s = lone.warm_up(1, self.max_blocks)
+        lone = _DecodeGraph(
+            model, kv_cache, 1, 1, self.max_blocks, traceable(model.weights.lm_head)
+        )
+        self.compile_s = lone.warm_up(1)
+        self._lone_head_in_graph = lone.head_in_graph
         self.graphs = [lone, *self._batch_graphs()]
 
     @property
     def head_in_graph(self) -> bool:
         """Whether the lone graph ends with the LM head (else it runs after the graph)."""
-        return self.graphs[0].head_in_graph
+        return self._lone_head_in_graph
 
-    def fits(self, layout: list[SequenceLayout]) -> bool:
-        """Decodes only (one new token each), as many as a graph takes, none with a
-        table past the model's context."""
-        return self._graph_for(len(layout)) is not None and decodes_within(layout, self.max_blocks)
+    def graph_for(self, layout: list[SequenceLayout]) -> str | None:
+        """The graph that takes a step of decodes only (one new token each), as many
+        as it was compiled for, none with a table past the model's context."""
+        graph = self._graph_for(len(layout))
+        if graph is None or not decodes_within(layout, self.max_blocks):
+            return None
+        return graph.name
+
+    def graph_names(self) -> list[str]:
+        """The graphs in use, lone first."""
+        return [graph.name for graph in self.graphs]
+
+    def drop(self, name: str) -> None:
+        """Run the steps of graph ``name`` eagerly from now on."""
+        self.graphs = [graph for graph in self.graphs if graph.name != name]
+
+    def size_ranges(self) -> list[tuple[int, int]]:
+        """Each graph's (smallest, largest) number of requests."""
+        return [(graph.min_requests, graph.max_requests) for graph in self.graphs]
+
+    def logit_tolerance(self, name: str) -> float | None:
+        """The bound its warm-up held the graph to."""
+        return next(graph.max_logit_error for graph in self.graphs if graph.name == name)
 
     def run(
         self,
@@ -328,10 +325,10 @@ class CompiledDecode:
         slots: list[int],
         layout: list[SequenceLayout],
     ) -> torch.Tensor:
-        """Logits [requests, vocab] (fp32) of a step that ``fits``; its K/V are written."""
+        """Logits [requests, vocab] (fp32) of a step a graph takes; its K/V are written."""
         graph = self._graph_for(len(layout))
-        assert graph is not None, "run a step that fits"
-        return graph.run(token_ids, positions, slots, layout, self.max_blocks)
+        assert graph is not None, "run a step a graph takes"
+        return graph.run(token_ids, positions, slots, layout)
 
     def _graph_for(self, num_requests: int) -> _DecodeGraph | None:
         for graph in self.graphs:
@@ -361,13 +358,14 @@ class CompiledDecode:
             )
             max_error = MAX_BF16_LOGIT_ERROR if in_bf16 else MAX_LOGIT_ERROR
             graph = _DecodeGraph(
-                self.model, self.kv_cache, min_requests, max_requests, False, max_error
-            )
+                self.model, self.kv_cache, min_requests, max_requests, self.max_blocks, False,
+                max_error,
+            )  # fmt: skip
             if self.kv_cache.num_blocks < MIN_BLOCKS * min_requests:
                 reason = f"the K/V pool has fewer than {MIN_BLOCKS * min_requests} blocks"
             else:
                 try:
-                    graph.warm_up(min_requests, self.max_blocks)
+                    graph.warm_up(min_requests)
                     graphs.append(graph)
                     continue
                 except DecodeCompileError as error:

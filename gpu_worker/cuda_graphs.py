@@ -37,6 +37,7 @@ from gpu_worker.attention_triton import (
     TritonPlan,
     request_table,
 )
+from gpu_worker.block_tables import blocks_for
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.kv_write_triton import PADDING_SLOT
 from gpu_worker.llama import LlamaModel
@@ -101,6 +102,10 @@ class _CapturedStep:
     logits: torch.Tensor  # [bucket, vocab] fp32, rewritten by every replay
 
 
+def _graph_name(bucket: int) -> str:
+    return f"cuda_graph[{bucket}]"
+
+
 class DecodeGraphRunner:
     """Decode-only forwards on static buffers, one captured CUDA graph per batch bucket."""
 
@@ -127,7 +132,7 @@ class DecodeGraphRunner:
         max_bucket = self.buckets[-1]
         block_size = kv_cache.block_size
         self.max_blocks_per_request = min(
-            kv_cache.num_blocks, -(-model.config.max_position_embeddings // block_size)
+            kv_cache.num_blocks, blocks_for(model.config.max_position_embeddings, block_size)
         )
         device = model.device
         if kv_cache.num_blocks * block_size >= 2**31:
@@ -157,6 +162,7 @@ class DecodeGraphRunner:
         self._logits_rows = torch.arange(max_bucket, dtype=torch.int64, device=device)
         self._inputs_copied = torch.cuda.Event() if pinned else None
         self._captured: dict[int, _CapturedStep] = {}
+        self._dropped: set[str] = set()
         if capture_graphs:
             self._capture()
 
@@ -167,11 +173,35 @@ class DecodeGraphRunner:
         requests = inputs[self._num_token_entries :].view(-1, self._row_width)
         return tokens, requests
 
-    def fits(self, layout: list[SequenceLayout]) -> bool:
-        """Whether this decode-only step has a bucket and its block tables fit the buffers."""
-        return 1 <= len(layout) <= self.buckets[-1] and decodes_within(
-            layout, self.max_blocks_per_request
-        )
+    def graph_for(self, layout: list[SequenceLayout]) -> str | None:
+        """``cuda_graph[bucket]`` where this decode-only step has a bucket and its block
+        tables fit the buffers, else None (``step_path.py``)."""
+        if not (
+            1 <= len(layout) <= self.buckets[-1]
+            and decodes_within(layout, self.max_blocks_per_request)
+        ):
+            return None
+        name = _graph_name(bucket_for(len(layout), self.buckets))
+        return None if name in self._dropped else name
+
+    def graph_names(self) -> list[str]:
+        """A graph per bucket still in use."""
+        names = [_graph_name(bucket) for bucket in self.buckets]
+        return [name for name in names if name not in self._dropped]
+
+    def drop(self, name: str) -> None:
+        """Run the steps of this bucket's graph eagerly from now on."""
+        self._dropped.add(name)
+
+    def size_ranges(self) -> list[tuple[int, int]]:
+        """Each bucket's graph takes the sizes above the bucket below, up to its own."""
+        lows = (1, *(bucket + 1 for bucket in self.buckets[:-1]))
+        ranges = zip(lows, self.buckets, strict=True)
+        return [(low, high) for low, high in ranges if _graph_name(high) not in self._dropped]
+
+    def logit_tolerance(self, name: str) -> float | None:
+        """A replay runs the eager step's own kernels: the probe's default bound."""
+        return None
 
     def run(
         self,
@@ -180,7 +210,7 @@ class DecodeGraphRunner:
         slots: list[int],
         layout: list[SequenceLayout],
     ) -> torch.Tensor:
-        """Logits (fp32) ``[len(layout), vocab]`` of a step that ``fits``.
+        """Logits (fp32) ``[len(layout), vocab]`` of a step with a ``graph_for`` it.
 
         The result is a view of the graph's output, valid until the next ``run``.
         """

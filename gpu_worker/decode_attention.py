@@ -15,22 +15,20 @@ docs/benchmarks.md, *Issue 14, eighth step*).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import structlog
 import torch
 
-from gpu_worker.unguarded_compile import compile_unguarded, max_relative_error
+from gpu_worker.attention import SequenceLayout
+from gpu_worker.block_tables import blocks_for
+from gpu_worker.unguarded_compile import UnguardedGraph, max_relative_error
 
 # torch specializes dimensions of size 0 and 1: block ids are padded (with a
 # masked block) to at least this many per request, and a compiled call takes
 # at least this many requests.
 MIN_BLOCKS = 2
 MIN_REQUESTS = 2
-# Below this many blocks in all (requests x blocks each), SDPA over copied blocks
-# is as fast: a compiled call costs about 60 us of Python wrappers, a layer's
-# SDPA at 2 requests of 16 tokens about 70 us in all (docs/benchmarks.md,
-# *Issue 14, eighth step*: the crossover lay between 8 and 16 blocks).
-MIN_COMPILED_BLOCKS = 16
 # The largest decode batch one compiled call takes (a bound dynamo's shape
 # reasoning needs; far above any scheduler's batch).
 MAX_REQUESTS = 1 << 16
@@ -77,6 +75,28 @@ def paged_decode_attention(
     return (weighted / total[..., None]).reshape(num_requests, num_heads, head_dim)
 
 
+@dataclass(frozen=True)
+class DecodeInputs:
+    """What ``paged_decode_attention`` needs of a step's decodes besides the queries
+    and the pool: tensors only, so nothing of the step is baked into a graph."""
+
+    block_ids: torch.Tensor  # [requests, max(blocks, MIN_BLOCKS)] int64
+    positions: torch.Tensor  # [requests] int64: each new token's; slots past it are masked
+
+
+def decode_inputs(decodes: list[SequenceLayout], device: torch.device) -> DecodeInputs:
+    """The block tables of ``decodes`` (one new token each) padded to the longest and to
+    at least MIN_BLOCKS with each request's own last block (past its position, so
+    masked, and already in the cache lines the request reads), and their positions."""
+    width = max(MIN_BLOCKS, *(len(sequence.block_table) for sequence in decodes))
+    rows = [s.block_table + [s.block_table[-1]] * (width - len(s.block_table)) for s in decodes]
+    positions = [sequence.num_cached_tokens for sequence in decodes]
+    return DecodeInputs(
+        block_ids=torch.tensor(rows, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+    )
+
+
 def pool_blocks(pool: torch.Tensor, block_size: int) -> torch.Tensor:
     """One layer's keys or values [slots, kv_heads, head_dim] as
     [slots / block_size, block_size, kv_heads, head_dim] (a view)."""
@@ -92,7 +112,9 @@ class CompiledDecodeAttention:
     """``paged_decode_attention`` compiled once for one model's heads and dtype and
     any number of requests (at least ``MIN_REQUESTS``), blocks per request (at least
     ``MIN_BLOCKS``) and pool size: those are the graph's dynamic sizes. It runs
-    without dynamo's guards (``unguarded_compile.py``): ``fits`` is the check."""
+    without dynamo's guards; ``UnguardedGraph`` checks every call's inputs against
+    what it was compiled for (``unguarded_compile.py``), and ``takes`` says which
+    numbers of requests and blocks it was compiled for."""
 
     def __init__(
         self,
@@ -110,23 +132,26 @@ class CompiledDecodeAttention:
         self.block_size = block_size
         self.max_blocks = max(max_blocks, MIN_BLOCKS + 1)
         self.dtype = dtype
-        self._compiled = compile_unguarded(paged_decode_attention)
+        requests = (MIN_REQUESTS, MAX_REQUESTS)
+        pool = {0: (MIN_BLOCKS, MAX_POOL_BLOCKS)}
+        self._compiled = UnguardedGraph(
+            paged_decode_attention,
+            dynamic={
+                0: {0: requests},  # queries
+                1: pool,  # key blocks
+                2: pool,  # value blocks
+                3: {0: requests, 1: (MIN_BLOCKS, self.max_blocks)},  # block ids
+                4: {0: requests},  # positions
+            },
+        )
         self.compile_s = self._warm_up()
 
-    def fits(
-        self, num_requests: int, num_blocks: int, queries: torch.Tensor, keys: torch.Tensor
-    ) -> bool:
-        """Whether a call of this many requests of this many blocks each, with queries
-        like ``queries`` [tokens, heads, head_dim] over the pool ``keys`` [slots,
-        kv_heads, head_dim], is the graph's to take (its shapes) and worth its call."""
+    def takes(self, num_requests: int, num_blocks: int) -> bool:
+        """Whether this many requests of this many blocks each (padded, ``decode_inputs``)
+        are sizes the graph was compiled for."""
         return (
             MIN_REQUESTS <= num_requests <= MAX_REQUESTS
-            and num_requests * num_blocks >= MIN_COMPILED_BLOCKS
             and MIN_BLOCKS <= num_blocks <= self.max_blocks
-            and tuple(queries.shape[1:]) == self.head_shape
-            and tuple(keys.shape[1:]) == self.kv_shape
-            and len(keys) % self.block_size == 0
-            and queries.dtype == keys.dtype == self.dtype
         )
 
     def __call__(
@@ -134,15 +159,17 @@ class CompiledDecodeAttention:
         queries: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        block_ids: torch.Tensor,
-        positions: torch.Tensor,
+        inputs: DecodeInputs,
     ) -> torch.Tensor:
         """As ``paged_decode_attention``, on one layer's pool ``keys``, ``values``
-        [slots, kv_heads, head_dim], for shapes that ``fit``."""
+        [slots, kv_heads, head_dim], for sizes it ``takes``. ``queries`` may be a
+        strided view (the rotary split's): the graph gets a contiguous copy."""
         key_blocks = pool_blocks(keys, self.block_size)
         value_blocks = pool_blocks(values, self.block_size)
         with torch.no_grad():
-            return self._compiled(queries, key_blocks, value_blocks, block_ids, positions)
+            return self._compiled(
+                queries.contiguous(), key_blocks, value_blocks, inputs.block_ids, inputs.positions
+            )
 
     def _warm_up(self) -> float:
         """Compile on a random pool (three requests, shuffled blocks, positions at
@@ -157,11 +184,6 @@ class CompiledDecodeAttention:
         block_ids = torch.randperm(4 * num_blocks, generator=generator)[: num_requests * num_blocks]
         block_ids = block_ids.view(num_requests, num_blocks)
         positions = torch.tensor([0, block_size, num_blocks * block_size - 1])
-        for pool in (key_blocks, value_blocks):
-            torch._dynamo.mark_dynamic(pool, 0, min=MIN_BLOCKS, max=MAX_POOL_BLOCKS)
-        for requests in (queries, block_ids, positions):
-            torch._dynamo.mark_dynamic(requests, 0, min=MIN_REQUESTS, max=MAX_REQUESTS)
-        torch._dynamo.mark_dynamic(block_ids, 1, min=MIN_BLOCKS, max=self.max_blocks)
         inputs = (queries, key_blocks, value_blocks, block_ids, positions)
         started = time.perf_counter()
         try:
@@ -193,8 +215,9 @@ def compiled_decode_attention_or_none(
     copies the blocks out and calls SDPA, as before)."""
     try:
         return CompiledDecodeAttention(
-            num_kv_heads, num_heads, head_dim, block_size, -(-max_position // block_size), dtype
-        )
+            num_kv_heads, num_heads, head_dim, block_size, blocks_for(max_position, block_size),
+            dtype,
+        )  # fmt: skip
     except DecodeAttentionCompileError as error:
         _log.warning(
             "decode_attention_not_compiled", reason=str(error), using="SDPA over copied blocks"

@@ -20,28 +20,19 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
-import torch
 
-from gpu_worker.attention import (
-    AttentionBackend,
-    SequenceLayout,
-    default_backend_name,
-    make_backend,
-)
+from gpu_worker.attention import AttentionBackend, SequenceLayout, default_backend_name
 from gpu_worker.block_tables import blocks_for
-from gpu_worker.compiled_decode import CompiledDecode, DecodeRunner, compiled_decode_or_none
+from gpu_worker.compiled_decode import CompiledDecode, compiled_decode_or_none
 from gpu_worker.decode_attention import compiled_decode_attention_or_none
-from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
 from gpu_worker.llama import LlamaModel
-from gpu_worker.model_config import load_model_config
-from gpu_worker.quantized_linear import pack_weights
+from gpu_worker.path_probe import probe_step_paths
 from gpu_worker.sampler import SamplingError, sample
-from gpu_worker.weights import ModelWeights, load_weights
+from gpu_worker.step_path import StepInputs, StepRunner
 from shared.messages import (
     FinishReason,
     RequestFailure,
@@ -57,8 +48,6 @@ from shared.messages import (
 _RECENTLY_ENDED_LIMIT = 65536
 # What a client is told when the step its request was in failed as a whole.
 STEP_FAILED_MESSAGE = "the worker failed to run this request's step"
-# Tokens of the prompt whose logits packed weights must reproduce at load.
-PROBE_PROMPT_TOKENS = 32
 
 _log = structlog.get_logger(__name__)
 
@@ -91,56 +80,6 @@ class _Work:
     samples: bool
 
 
-def load_model(
-    model_dir: Path,
-    device: str | None = None,
-    dtype: str | None = None,
-    weight_format: str = "float32",
-) -> LlamaModel:
-    """Load a Hugging Face-format Llama directory on the chosen device and dtype.
-
-    ``weight_format`` 'int8' or 'float16' packs the matrices for the CPU's
-    fbgemm kernels (``quantized_linear``; 'auto' picks float16 where fbgemm
-    runs, the loaded tensors elsewhere); where they cannot run, or their
-    logits of a probe prompt stray from the loaded weights', the loaded
-    tensors are kept (the exact path) and one log line says why.
-    """
-    torch_device = choose_device(device)
-    torch_dtype = choose_dtype(torch_device, dtype)
-    config = load_model_config(model_dir)
-    weights = load_weights(model_dir, config, torch_device, torch_dtype)
-
-    def probe(candidate: ModelWeights) -> torch.Tensor:
-        return probe_logits(LlamaModel(config, candidate, torch_device, torch_dtype))
-
-    weights = pack_weights(weights, weight_format, torch_device, torch_dtype, probe)
-    return LlamaModel(config, weights, torch_device, torch_dtype)
-
-
-def probe_logits(model: LlamaModel, num_tokens: int = PROBE_PROMPT_TOKENS) -> torch.Tensor:
-    """Logits ``[num_tokens, vocab]`` of every position of a fixed pseudo-random
-    prompt, prefilled in one pass into a throwaway K/V cache."""
-    config, device = model.config, model.device
-    generator = torch.Generator().manual_seed(0)
-    token_ids = torch.randint(config.vocab_size, (num_tokens,), generator=generator)
-    block_size = 16
-    cache = PagedKVCache(
-        config, blocks_for(num_tokens, block_size), block_size, device, model.dtype
-    )
-    cache.tables.extend("probe", range(cache.num_blocks))
-    backend = make_backend(default_backend_name(device), model.dtype)
-    layout = [SequenceLayout(0, num_tokens, 0, cache.tables.table("probe"))]
-    return model.forward(
-        token_ids=token_ids.to(device),
-        positions=torch.arange(num_tokens, device=device),
-        slot_mapping=torch.tensor(cache.slot_ids("probe", 0, num_tokens), device=device),
-        kv_cache=cache,
-        backend=backend,
-        attention_plan=backend.prepare(layout, block_size, device),
-        logits_rows=torch.arange(num_tokens, device=device),
-    )
-
-
 class Engine:
     """Runs plans on one model and one paged K/V cache."""
 
@@ -155,10 +94,13 @@ class Engine:
     ) -> None:
         """``use_cuda_graphs`` replays captured graphs for decode-only steps; it takes
         effect on CUDA only (needs the ``triton`` backend) and is ignored on the CPU.
-        ``compile_decode`` runs a lone request's decode steps through one compiled
-        graph on the CPU (``compiled_decode.py``), and every other step's decodes
-        through the compiled decode attention (``decode_attention.py``) where the
-        backend is ``cpu``; where either cannot be compiled, a log line says why."""
+        ``compile_decode`` runs decode-only steps through compiled graphs on the CPU
+        (``compiled_decode.py``), and other steps' decodes through the compiled paged
+        attention (``decode_attention.py``) where the backend is ``cpu``; where either
+        cannot be compiled, a log line says why. Which path each step takes:
+        ``step_path.py``; every compiled path is checked against the eager one on
+        joining, leaving and mixed steps before the engine serves
+        (``path_probe.py``), and one that strays is dropped with a log line."""
         budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
@@ -167,21 +109,23 @@ class Engine:
             model.config, num_blocks, budget.block_size, model.device, model.dtype
         )
         backend_name = attention_backend or default_backend_name(model.device)
-        decode_kernel = None
+        paged_attention = None
         if compile_decode and backend_name == "cpu" and model.device.type == "cpu":
             config = model.config
-            decode_kernel = compiled_decode_attention_or_none(
+            paged_attention = compiled_decode_attention_or_none(
                 config.num_kv_heads, config.num_heads, config.head_dim,
                 config.max_position_embeddings, budget.block_size, model.dtype,
             )  # fmt: skip
-        self.backend: AttentionBackend = make_backend(backend_name, model.dtype, decode_kernel)
-        self._decode_runner: DecodeRunner | None = None
+        self.paths = StepRunner(model, self.kv_cache, backend_name, paged_attention)
         if use_cuda_graphs and model.device.type == "cuda":
             from gpu_worker.cuda_graphs import DecodeGraphRunner
 
-            self._decode_runner = DecodeGraphRunner(model, self.kv_cache, self.backend)
+            self.paths.decode_runner = DecodeGraphRunner(model, self.kv_cache, self.backend)
         elif compile_decode and model.device.type == "cpu":
-            self._decode_runner = compiled_decode_or_none(model, self.kv_cache)
+            self.paths.decode_runner = compiled_decode_or_none(model, self.kv_cache)
+        if compile_decode and model.device.type == "cpu":
+            probe_step_paths(self.paths)
+        _log.info("step_paths", paths=self.paths.planned())
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._recently_ended: OrderedDict[str, None] = OrderedDict()
@@ -189,14 +133,21 @@ class Engine:
         self._num_embeddings = int(model.weights.embed_tokens.shape[0])
 
     @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend of the eager forward (without the paged attention)."""
+        return self.paths.backend
+
+    @property
     def compiles_decode(self) -> bool:
         """Whether a lone request's decode steps run through a compiled graph (CPU)."""
-        return isinstance(self._decode_runner, CompiledDecode)
+        runner = self.paths.decode_runner
+        return isinstance(runner, CompiledDecode) and "graph[1]" in runner.graph_names()
 
     @property
     def uses_cuda_graphs(self) -> bool:
         """Whether decode-only steps replay CUDA graphs (the other decode runner)."""
-        return self._decode_runner is not None and not self.compiles_decode
+        runner = self.paths.decode_runner
+        return runner is not None and not isinstance(runner, CompiledDecode)
 
     @property
     def num_blocks(self) -> int:
@@ -247,7 +198,7 @@ class Engine:
             )
         started = time.perf_counter()
         try:
-            tokens, sampling_failed = self._run(works)
+            tokens, sampling_failed, path_name = self._run(works)
         except Exception:  # any fault of the forward ends its step, not the worker
             _log.exception("step_failed", step_index=plan.step_index, num_requests=len(works))
             # Their K/V may be half written: none of them can go on.
@@ -271,6 +222,7 @@ class Engine:
             num_new_tokens=num_new_tokens,
             step_ms=step_ms,
             failed=failed + sampling_failed,
+            path=path_name,
         )
 
     def blocks_to_grant(self, plan: StepPlan) -> dict[str, int]:
@@ -423,7 +375,8 @@ class Engine:
         seen.add(request_id)
         return known[request_id]
 
-    def _run(self, works: list[_Work]) -> tuple[list[SampledToken], list[RequestFailure]]:
+    def _run(self, works: list[_Work]) -> tuple[list[SampledToken], list[RequestFailure], str]:
+        """The step's tokens, its requests that failed, and the name of its path."""
         cache = self.kv_cache
         token_ids: list[int] = []
         positions: list[int] = []
@@ -446,25 +399,9 @@ class Engine:
             slots.extend(cache.slot_ids(request_id, work.start_position, end))
             if work.samples:
                 logits_rows.append(len(token_ids) - 1)
-        device = self.model.device
-        runner = self._decode_runner
-        # A graph computes logits for every row, so every row must be one sampling token.
-        if (
-            runner is not None
-            and all(work.samples and len(work.token_ids) == 1 for work in works)
-            and runner.fits(layout)
-        ):
-            logits = runner.run(token_ids, positions, slots, layout)
-        else:
-            logits = self.model.forward(
-                token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-                positions=torch.tensor(positions, dtype=torch.int64, device=device),
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                kv_cache=cache,
-                backend=self.backend,
-                attention_plan=self.backend.prepare(layout, cache.block_size, device),
-                logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
-            )
+        inputs = StepInputs(token_ids, positions, slots, layout, logits_rows)
+        path = self.paths.choose(inputs)
+        logits = self.paths.forward(inputs, path)
         for work in works:
             work.request.num_cached_tokens += len(work.token_ids)
         sampling_works = [work for work in works if work.samples]
@@ -484,7 +421,7 @@ class Engine:
                 failed.append(RequestFailure(work.request.spec.request_id, str(outcome)))
             else:
                 tokens.append(self._record(work.request, outcome))
-        return tokens, failed
+        return tokens, failed, path.name
 
     def _record(self, request: _Request, token_id: int) -> SampledToken:
         index = request.num_generated

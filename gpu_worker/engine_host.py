@@ -145,8 +145,9 @@ class EngineHost(Protocol):
 
 def build_engine(settings: WorkerSettings) -> Engine:
     """The model on its device and a K/V pool of the configured size."""
-    from gpu_worker.engine import Engine, load_model
+    from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget
+    from gpu_worker.model_loading import load_model
 
     # Compiled graphs kept beside the prepared models, so a restart reuses them.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.model.cache_dir / "inductor"))

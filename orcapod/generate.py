@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 from gateway.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from gpu_worker.attention import BACKEND_NAMES
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.local_blocks import step_alone
 from gpu_worker.model_config import ModelLoadError
+from gpu_worker.model_loading import load_model
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
-from shared.settings import model_location
+from shared.settings import WEIGHT_FORMATS, WorkerSettings, model_location
 
 PREFILL_CHUNK_TOKENS = 256
 
@@ -48,6 +50,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: automatic)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: automatic)")
     parser.add_argument("--backend", default=None, choices=BACKEND_NAMES)
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default=WorkerSettings.weight_format,
+        help="the weight format, as the worker's --weights (default: the worker's, auto)",
+    )
+    parser.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode through the worker's compiled graphs (tens of seconds to compile the "
+        "first time; default: eager)",
+    )
     return parser
 
 
@@ -95,11 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         sampling = _sampling(args)
         model_dir = model_location(model_dir=args.model).model_dir
         tokenizer = ChatTokenizer.from_model_dir(model_dir)
-        model = load_model(model_dir, device=args.device, dtype=args.dtype)
+        model = load_model(
+            model_dir, device=args.device, dtype=args.dtype, weight_format=args.weights
+        )
     except (ValueError, ModelLoadError) as error:
         print(f"orcapod generate: {error}", file=sys.stderr)
         return 2
-    engine = Engine(model, KVCacheBudget(num_bytes=512 << 20), args.backend)
+    engine = Engine(
+        model, KVCacheBudget(num_bytes=512 << 20), args.backend,
+        compile_decode=args.compile_decode,
+    )  # fmt: skip
     conversations = []
     for index, prompt in enumerate(args.prompts):
         text = (
@@ -118,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     step_index = 0
     while pending := [c for c in conversations if c.finish_reason is None]:
-        output = engine.step(_next_plan(step_index, pending, sampling))
+        # No scheduler here: the plan's K/V blocks are granted as it would.
+        output = step_alone(engine, _next_plan(step_index, pending, sampling))
         step_index += 1
         for token in output.tokens:
             conversation = by_id[token.request_id]
@@ -130,12 +151,18 @@ def main(argv: list[str] | None = None) -> int:
             conversation.text.append(delta)
             if stream:
                 print(delta, end="", flush=True)
+        for failure in output.failed:
+            conversation = by_id[failure.request_id]
+            conversation.finish_reason = "error"
+            conversation.text.append(f"[error: {failure.message}]\n")
+            if stream:
+                print(conversation.text[-1], end="", flush=True)
     elapsed_s = time.perf_counter() - started
     for conversation in conversations:
         if not stream:
             print(f"--- {conversation.prompt!r}")
             print("".join(conversation.text))
-        elif not conversation.text[-1].endswith("\n"):
+        elif conversation.text and not conversation.text[-1].endswith("\n"):
             print()
     num_generated = sum(c.num_generated for c in conversations)
     print(

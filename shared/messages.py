@@ -184,6 +184,9 @@ class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_
     # Defaulted so that an output written before failures were reported still decodes.
     failed: list[RequestFailure] = []
     timing: StepTiming | None = None
+    # How the step ran (gpu_worker/step_path.py: "eager", "graph[1]", ...); "" for
+    # an output without a forward pass, or from a worker that does not say.
+    path: str = ""
 
     @property
     def finished_request_ids(self) -> list[str]:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.model_loading import load_model
 from shared.keys import MESSAGE_FIELD, RedisKeys
 from shared.messages import (
     SamplingParams,

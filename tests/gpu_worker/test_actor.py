@@ -15,10 +15,11 @@ from structlog.testing import capture_logs
 
 from gpu_worker.__main__ import parse_settings
 from gpu_worker.actor import WorkerActor
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.engine_host import EngineThread
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
+from gpu_worker.model_loading import load_model
 from shared.keys import MESSAGE_FIELD, WORKER_GROUP, RedisKeys
 from shared.messages import (
     PrefillChunk,

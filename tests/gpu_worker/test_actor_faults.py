@@ -10,8 +10,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, load_model
+from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine
 from gpu_worker.llama import LlamaModel
+from gpu_worker.model_loading import load_model
 from shared.messages import (
     MAX_SEED,
     MAX_TOP_K,

@@ -33,9 +33,10 @@ from gpu_worker.attention_triton import (
     query_tiles,
     request_table,
 )
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.kv_write_triton import PADDING_SLOT, write_kv
+from gpu_worker.model_loading import load_model
 from tests.gpu_worker.plans import Job, random_jobs, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 

@@ -22,10 +22,11 @@ from gpu_worker.attention import SequenceLayout
 from gpu_worker.attention_cpu import CpuAttention
 from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, GraphDecodeAttention
 from gpu_worker.decode_attention import CompiledDecodeAttention
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import load_model_config
+from gpu_worker.model_loading import load_model
 from gpu_worker.quantized_linear import (
     INT4_MAX_ROWS,
     Int4Linear,
@@ -74,7 +75,7 @@ def compiled_engine(model):
 
 def _counting_runs(monkeypatch, engine: Engine) -> list[int]:
     """Batch sizes of the steps the compiled runner takes."""
-    runner = engine._decode_runner
+    runner = engine.paths.decode_runner
     assert isinstance(runner, CompiledDecode)
     calls: list[int] = []
     real_run = runner.run
@@ -273,10 +274,10 @@ def test_float16_layers_compile_and_decode_as_their_eager_kernel(
         compiled = _engine(model, compile_decode=True)
     assert compiled.compiles_decode
     # Batches stay eager: the traced fp16 form would read every weight once a request.
-    assert [(g.min_requests, g.max_requests) for g in compiled._decode_runner.graphs] == [(1, 1)]
+    assert compiled.paths.decode_runner.graph_names() == ["graph[1]"]
     (line,) = [entry for entry in logs if entry["event"] == "batch_decode_not_compiled"]
     assert "float16" in line["reason"]
-    assert compiled._decode_runner.head_in_graph  # its int8 form, one loop in the graph
+    assert compiled.paths.decode_runner.head_in_graph  # its int8 form, one loop in the graph
     calls = _counting_runs(monkeypatch, compiled)
     blocks = random.Random(5).sample(range(NUM_BLOCKS), 9)
     outputs = []
@@ -322,7 +323,7 @@ def test_batches_of_every_size_decode_through_one_graph_as_eagerly(
     """Batches of 2 to 13 requests of different lengths in shuffled blocks, joining
     and leaving between steps: every step through the batch graph (float32 layers:
     one graph for every size), the same tokens as the eager forward's."""
-    runner = compiled_engine._decode_runner
+    runner = compiled_engine.paths.decode_runner
     assert [(g.min_requests, g.max_requests) for g in runner.graphs] == [
         (1, 1), (2, compiled_decode.BATCH_MAX_REQUESTS)
     ]  # fmt: skip
@@ -386,11 +387,11 @@ def test_mixed_steps_take_the_compiled_attention_for_their_decodes(
     """In steps that also prefill (the eager forward), the decodes go through the
     engine's compiled attention (one call per layer, every request's blocks in
     place), with the same greedy tokens as the engine without it."""
-    kernel = compiled_engine.backend.decode_kernel
+    kernel = compiled_engine.paths.paged_attention
     assert isinstance(kernel, CompiledDecodeAttention)
     calls = count_attention_calls(monkeypatch, kernel)
     eager_engine = _engine(model, compile_decode=False)
-    assert eager_engine.backend.decode_kernel is None
+    assert eager_engine.paths.paged_attention is None
     assert _mixed_steps(compiled_engine) == _mixed_steps(eager_engine)
     assert calls == [(6, 9)] * (12 * model.config.num_layers)
 
@@ -427,7 +428,7 @@ def test_int4_batches_take_the_graph_of_their_range(tmp_path, monkeypatch) -> No
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
     assert weight_format_of(model.weights) == "int4"
     engine = _engine(model, compile_decode=True)
-    runner = engine._decode_runner
+    runner = engine.paths.decode_runner
     ranges = [(graph.min_requests, graph.max_requests) for graph in runner.graphs]
     assert ranges == [(1, 1), *compiled_decode.batch_ranges(compiled_decode.layer_matrices(model))]
     for size, bound in ((3, compiled_decode.MAX_LOGIT_ERROR),
@@ -435,7 +436,7 @@ def test_int4_batches_take_the_graph_of_their_range(tmp_path, monkeypatch) -> No
         layout = [SequenceLayout(i, 1, 2 + i, [3 * i, 3 * i + 1, 3 * i + 2]) for i in range(size)]
         token_ids, positions = [5 + i for i in range(size)], [2 + i for i in range(size)]
         slots = [3 * i * BLOCK_SIZE + 2 + i for i in range(size)]
-        assert runner.fits(layout)
+        assert runner.graph_for(layout) is not None
         compiled = runner.run(token_ids, positions, slots, layout)
         backend = CpuAttention()
         eager = model.forward(

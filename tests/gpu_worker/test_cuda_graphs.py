@@ -29,10 +29,11 @@ from gpu_worker.cuda_graphs import (
     bucket_for,
     pad_decode_step,
 )
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
 from gpu_worker.kv_write_triton import PADDING_SLOT
 from gpu_worker.llama import LlamaModel
+from gpu_worker.model_loading import load_model
 from gpu_worker.pointwise import make_pointwise
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 
@@ -125,7 +126,7 @@ def test_static_buffer_decode_matches_the_eager_step(model, pointwise):
             token_ids.append(rng.randrange(3, TINY_VOCAB_SIZE))
             positions.append(num_cached)
             slots.append(table[num_cached // block_size] * block_size + num_cached % block_size)
-        assert runner.fits(layout)
+        assert runner.graph_for(layout) is not None
         before_keys = torch.stack(cache.keys)
         logits = runner.run(token_ids, positions, slots, layout).clone()
         changed = torch.stack(cache.keys) != before_keys  # [layers, slots, kv_heads, head_dim]
@@ -142,5 +143,5 @@ def test_static_buffer_decode_matches_the_eager_step(model, pointwise):
         )
         assert logits.shape == expected.shape
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    assert not runner.fits([SequenceLayout(row, 1, 0, [0]) for row in range(9)])
-    assert not runner.fits([SequenceLayout(0, 2, 0, [0])])
+    assert None is runner.graph_for([SequenceLayout(row, 1, 0, [0]) for row in range(9)])
+    assert None is runner.graph_for([SequenceLayout(0, 2, 0, [0])])

@@ -18,12 +18,14 @@ from gpu_worker.attention_cpu import CpuAttention
 from gpu_worker.attention_reference import ReferenceAttention
 from gpu_worker.decode_attention import (
     MIN_BLOCKS,
-    MIN_COMPILED_BLOCKS,
     CompiledDecodeAttention,
+    DecodeInputs,
     compiled_decode_attention_or_none,
     paged_decode_attention,
     pool_blocks,
 )
+from gpu_worker.step_path import PAGED_ATTENTION_MIN_BLOCKS
+from gpu_worker.unguarded_compile import GraphInputError
 from tests.gpu_worker.attention_calls import count_attention_calls
 from tests.gpu_worker.layouts import shuffled_layout
 
@@ -145,11 +147,12 @@ def test_decodes_beside_prompt_chunks_take_the_graph_and_the_chunks_sdpa(kernel,
 
 @pytest.mark.parametrize(
     "shapes",
-    [[(1, 60)], [(1, 2), (1, 5)], [(1, 1)] * ((MIN_COMPILED_BLOCKS - 1) // MIN_BLOCKS)],
+    [[(1, 60)], [(1, 2), (1, 5)], [(1, 1)] * ((PAGED_ATTENTION_MIN_BLOCKS - 1) // MIN_BLOCKS)],
     ids=["a lone decode", "two short decodes", "under the threshold"],
 )
 def test_steps_too_small_for_the_graph_take_sdpa(kernel, monkeypatch, shapes) -> None:
-    """One request, or fewer blocks in all than MIN_COMPILED_BLOCKS: SDPA is as fast."""
+    """One request, or fewer blocks in all than PAGED_ATTENTION_MIN_BLOCKS: SDPA is as
+    fast."""
     calls = count_attention_calls(monkeypatch, kernel)
     layout = _layout(random.Random(2), shapes)
     keys, values = _pool(2)
@@ -164,17 +167,74 @@ def test_steps_too_small_for_the_graph_take_sdpa(kernel, monkeypatch, shapes) ->
     assert calls == []
 
 
-def test_other_heads_or_dtypes_are_not_the_graphs(kernel) -> None:
-    """It runs without guards, so it must refuse what it was not traced for."""
-    queries = torch.zeros(8, NUM_HEADS, HEAD_DIM)
-    keys = torch.zeros(NUM_POOL_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    assert kernel.fits(8, 4, queries, keys)
-    assert not kernel.fits(8, 4, torch.zeros(8, 2 * NUM_HEADS, HEAD_DIM), keys)
-    assert not kernel.fits(8, 4, queries, torch.zeros(len(keys), 1, HEAD_DIM))
-    assert not kernel.fits(8, 4, queries.double(), keys.double())
-    assert not kernel.fits(8, 4, queries, keys[:-1])  # not whole blocks
-    assert not kernel.fits(8, kernel.max_blocks + 1, queries, keys)
-    assert not kernel.fits(1, 64, queries, keys)
+@pytest.mark.parametrize("num_decodes", [2, 5])
+@pytest.mark.parametrize("after_a_chunk", [False, True], ids=["decodes", "mixed"])
+def test_queries_as_the_rotary_split_view_match_the_reference(
+    kernel, monkeypatch, num_decodes: int, after_a_chunk: bool
+) -> None:
+    """The forward hands attention its queries as a view of the rotated q/k tensor
+    (rows (heads + kv_heads) * head_dim apart, not heads * head_dim), and takes the
+    decodes' rows as a slice of it: each request gets its own queries' result. (A
+    graph traced on contiguous queries, its guards skipped, once read request i's
+    queries i * kv_heads * head_dim values too early: another request's data.)"""
+    calls = count_attention_calls(monkeypatch, kernel)
+    shapes = ([(6, 0)] if after_a_chunk else []) + [(1, 37 + 5 * i) for i in range(num_decodes)]
+    layout = _layout(random.Random(num_decodes), shapes)
+    keys, values = _pool(5)
+    num_tokens = sum(num_query for num_query, _ in shapes)
+    generator = torch.Generator().manual_seed(5)
+    rotated = torch.randn(num_tokens, NUM_HEADS + NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    queries, _ = rotated.split([NUM_HEADS, NUM_KV_HEADS], dim=1)
+    assert not queries.is_contiguous()
+    backend = CpuAttention(decode_kernel=kernel)
+
+    actual = backend.attend(queries, keys, values, backend.prepare(layout, BLOCK_SIZE, CPU))
+
+    expected = _reference(layout, queries.contiguous(), keys, values)
+    torch.testing.assert_close(actual, expected)
+    assert [requests for requests, _ in calls] == [num_decodes]
+
+
+def test_the_graph_takes_the_sizes_it_was_compiled_for(kernel) -> None:
+    """Requests and blocks within the compiled ranges; one request or too many blocks not."""
+    assert kernel.takes(8, 4)
+    assert kernel.takes(2, MIN_BLOCKS)
+    assert not kernel.takes(1, 64)
+    assert not kernel.takes(8, kernel.max_blocks + 1)
+    assert not kernel.takes(8, MIN_BLOCKS - 1)
+
+
+def _inputs(num_requests: int, num_blocks: int) -> DecodeInputs:
+    return DecodeInputs(
+        block_ids=torch.zeros(num_requests, num_blocks, dtype=torch.int64),
+        positions=torch.zeros(num_requests, dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize(
+    "queries, keys, inputs, reason",
+    [
+        (torch.zeros(8, 2 * NUM_HEADS, HEAD_DIM), None, None, "shape"),
+        (None, torch.zeros(NUM_POOL_BLOCKS * BLOCK_SIZE, 1, HEAD_DIM), None, "shape"),
+        (torch.zeros(8, NUM_HEADS, HEAD_DIM).double(), None, None, "float64"),
+        (None, None, DecodeInputs(torch.zeros(8, 4), torch.zeros(8, dtype=torch.int64)), "float"),
+        (None, None, DecodeInputs(torch.zeros(8, 8, dtype=torch.int64)[:, ::2],
+                                  torch.zeros(8, dtype=torch.int64)), "not contiguous"),
+    ],
+    ids=["other heads", "other kv heads", "other dtype", "float block ids", "strided block ids"],
+)  # fmt: skip
+def test_inputs_unlike_the_compiled_ones_are_refused_at_the_boundary(
+    kernel, queries, keys, inputs, reason
+) -> None:
+    """It runs without dynamo's guards, so its boundary checks what the graph was
+    compiled for and raises rather than read the wrong elements."""
+    good_queries = torch.zeros(8, NUM_HEADS, HEAD_DIM)
+    good_keys = torch.zeros(NUM_POOL_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    assert kernel(good_queries, good_keys, good_keys, _inputs(8, 4)).shape == good_queries.shape
+    queries = good_queries if queries is None else queries
+    keys = good_keys if keys is None else keys
+    with pytest.raises(GraphInputError, match=reason):
+        kernel(queries, keys, keys, _inputs(8, 4) if inputs is None else inputs)
 
 
 def _refused(monkeypatch, fake_compile) -> str:

@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
-from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, load_model
+from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import step_alone
+from gpu_worker.model_loading import load_model
 from shared.messages import MAX_SEED, MAX_TOP_K, PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.engine_host import (
     OPENMP_SPIN_COUNT,
     EngineProcess,
@@ -23,6 +23,7 @@ from gpu_worker.engine_host import (
     engine_environment_defaults,
 )
 from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.model_loading import load_model
 from gpu_worker.plan_runner import StepDone
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import RedisSettings, WorkerSettings, model_location

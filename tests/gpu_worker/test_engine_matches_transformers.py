@@ -12,9 +12,10 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.local_blocks import step_alone
+from gpu_worker.model_loading import load_model
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model

@@ -9,9 +9,10 @@ import random
 import msgspec
 import pytest
 
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.llama import LlamaModel
+from gpu_worker.model_loading import load_model
 from shared.messages import SamplingParams
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model

@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from gpu_worker.engine import Engine, PlanError, load_model
+from gpu_worker.engine import Engine, PlanError
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.local_blocks import step_alone
+from gpu_worker.model_loading import load_model
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model

@@ -13,11 +13,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_worker.actor import WorkerActor
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.engine_host import EngineThread
 from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import step_alone
 from gpu_worker.metrics import BusyWindow, WorkerMetrics
+from gpu_worker.model_loading import load_model
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.metrics_http import metrics_url, serve_metrics
 from shared.redis_streams import connect

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from gpu_worker.device import choose_device, choose_dtype, cpu_has_native_bf16
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block, num_blocks_for_budget
 from gpu_worker.model_config import ModelLoadError, load_model_config
+from gpu_worker.model_loading import load_model
 from shared.messages import SamplingParams
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import write_tiny_model

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from gpu_worker.attention import kv_writer, make_backend
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.kv_write_triton import PADDING_SLOT
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import ModelConfig, RopeScaling
+from gpu_worker.model_loading import load_model
 from gpu_worker.pointwise import TorchPointwise, default_pointwise_name, make_pointwise
 from gpu_worker.pointwise_triton import TritonPointwise
 from gpu_worker.rotary import RotaryEmbedding

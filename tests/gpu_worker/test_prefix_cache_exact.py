@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.tokenizer import ChatTokenizer
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
+from gpu_worker.model_loading import load_model
 from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.core import Scheduler
 from shared.messages import SamplingParams

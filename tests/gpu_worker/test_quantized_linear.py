@@ -18,11 +18,12 @@ from structlog.testing import capture_logs
 from gpu_worker import quantized_linear
 from gpu_worker.__main__ import parse_settings
 from gpu_worker.device import cpu_has_native_bf16
-from gpu_worker.engine import Engine, load_model, probe_logits
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import step_alone
 from gpu_worker.model_config import load_model_config
+from gpu_worker.model_loading import load_model, probe_logits
 from gpu_worker.quantized_linear import (
     INT4_GROUP_SIZE,
     INT4_MAX_ROWS,

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, load_model
+from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget
+from gpu_worker.model_loading import load_model
 from gpu_worker.sampler import SamplingError, filtered_probabilities, mix_seed, sample
 from shared.messages import SamplingParams
 from tests.gpu_worker.plans import Job, run_jobs

@@ -1,0 +1,71 @@
+"""Loading a model for the engine: the weights on a device and dtype, packed into
+the chosen format (``quantized_linear.py``), and the probe prompt whose logits a
+packed format must reproduce."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gpu_worker.attention import SequenceLayout, default_backend_name, make_backend
+from gpu_worker.block_tables import blocks_for
+from gpu_worker.device import choose_device, choose_dtype
+from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.llama import LlamaModel
+from gpu_worker.model_config import load_model_config
+from gpu_worker.quantized_linear import pack_weights
+from gpu_worker.weights import ModelWeights, load_weights
+
+# Tokens of the prompt whose logits packed weights must reproduce at load.
+PROBE_PROMPT_TOKENS = 32
+
+
+def load_model(
+    model_dir: Path,
+    device: str | None = None,
+    dtype: str | None = None,
+    weight_format: str = "float32",
+) -> LlamaModel:
+    """Load a Hugging Face-format Llama directory on the chosen device and dtype.
+
+    ``weight_format`` 'int8' or 'float16' packs the matrices for the CPU's
+    fbgemm kernels (``quantized_linear``; 'auto' picks float16 where fbgemm
+    runs, the loaded tensors elsewhere); where they cannot run, or their
+    logits of a probe prompt stray from the loaded weights', the loaded
+    tensors are kept (the exact path) and one log line says why.
+    """
+    torch_device = choose_device(device)
+    torch_dtype = choose_dtype(torch_device, dtype)
+    config = load_model_config(model_dir)
+    weights = load_weights(model_dir, config, torch_device, torch_dtype)
+
+    def probe(candidate: ModelWeights) -> torch.Tensor:
+        return probe_logits(LlamaModel(config, candidate, torch_device, torch_dtype))
+
+    weights = pack_weights(weights, weight_format, torch_device, torch_dtype, probe)
+    return LlamaModel(config, weights, torch_device, torch_dtype)
+
+
+def probe_logits(model: LlamaModel, num_tokens: int = PROBE_PROMPT_TOKENS) -> torch.Tensor:
+    """Logits ``[num_tokens, vocab]`` of every position of a fixed pseudo-random
+    prompt, prefilled in one pass into a throwaway K/V cache."""
+    config, device = model.config, model.device
+    generator = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(config.vocab_size, (num_tokens,), generator=generator)
+    block_size = 16
+    cache = PagedKVCache(
+        config, blocks_for(num_tokens, block_size), block_size, device, model.dtype
+    )
+    cache.tables.extend("probe", range(cache.num_blocks))
+    backend = make_backend(default_backend_name(device), model.dtype)
+    layout = [SequenceLayout(0, num_tokens, 0, cache.tables.table("probe"))]
+    return model.forward(
+        token_ids=token_ids.to(device),
+        positions=torch.arange(num_tokens, device=device),
+        slot_mapping=torch.tensor(cache.slot_ids("probe", 0, num_tokens), device=device),
+        kv_cache=cache,
+        backend=backend,
+        attention_plan=backend.prepare(layout, block_size, device),
+        logits_rows=torch.arange(num_tokens, device=device),
+    )

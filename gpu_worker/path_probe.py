@@ -1,0 +1,223 @@
+"""Before a worker serves: every step path it will use, checked against the eager one.
+
+Each compiled part was checked alone when it was compiled (one warm-up step
+each). What that does not cover is how they meet in a real run: requests
+joining and leaving a batch (the lone graph, a batch graph, back), mixed
+steps whose decodes take the paged attention beside a prompt chunk, block
+counts on both sides of the paged attention's threshold, every range of
+batch sizes a graph takes. ``probe_step_paths`` runs such a sequence on
+the engine's own pool (free while it starts), random prompt tokens and
+greedy tokens fed back, each step twice: on the path ``choose`` gives it,
+then on the eager forward with SDPA (which rewrites the step's K/V, so both
+go on from the same cache). A path whose logits stray from the eager ones
+is dropped, with a ``step_path_dropped`` line naming it: its steps run
+eagerly. A wrong path never serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from gpu_worker.attention import SequenceLayout
+from gpu_worker.block_tables import blocks_for
+from gpu_worker.decode_attention import MIN_BLOCKS
+from gpu_worker.step_path import (
+    EAGER,
+    PAGED_ATTENTION_MIN_BLOCKS,
+    StepInputs,
+    StepPath,
+    StepRunner,
+)
+from gpu_worker.unguarded_compile import max_relative_error
+
+# How far a path's logits may stray from the eager forward's, relative to the
+# largest logit, where the runner names no bound of its own (fused loops and
+# the paged attention's sums round differently; a wrong input reads other
+# requests' data and strays by tens of percent).
+MAX_LOGIT_ERROR = 1e-3
+# Decode steps each request takes in a row before the batch changes.
+DECODES_PER_SHAPE = 2
+
+_log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _ProbeRequest:
+    request_id: str
+    prompt_ids: list[int]
+    num_cached_tokens: int = 0
+    last_token_id: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class _Probe:
+    """The probe's requests on the engine's pool, and each path's largest error."""
+
+    def __init__(self, runner: StepRunner, num_requests: int, long_prompt: int) -> None:
+        self.runner = runner
+        cache = runner.kv_cache
+        vocab = runner.model.config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        # The first request long enough that two decodes beside it reach the paged
+        # attention's threshold; the others a few tokens (one block each).
+        lengths = [long_prompt] + [3] * (num_requests - 1)
+        self.requests = [
+            _ProbeRequest(
+                f"path-probe-{index}", torch.randint(vocab, (length,), generator=generator).tolist()
+            )
+            for index, length in enumerate(lengths)
+        ]
+        self.errors: dict[str, float] = {}
+        # The long request's blocks consecutive (as a lone chat's), the others' from
+        # the pool's far end, so tables are in no order.
+        self._next_block = 0
+        self._last_block = cache.num_blocks - 1
+
+    def grow(self, request: _ProbeRequest, num_tokens: int) -> None:
+        cache = self.runner.kv_cache
+        needed = blocks_for(num_tokens, cache.block_size) - len(request.blocks)
+        new: list[int] = []
+        for _ in range(needed):
+            if request is self.requests[0]:
+                new.append(self._next_block)
+                self._next_block += 1
+            else:
+                new.append(self._last_block)
+                self._last_block -= 1
+        assert self._next_block <= self._last_block + 1, "the probe outgrew the pool"
+        request.blocks.extend(new)
+        cache.tables.extend(request.request_id, new)
+
+    def step(self, prefills: list[_ProbeRequest], decodes: list[_ProbeRequest]) -> None:
+        """Prompts of ``prefills`` whole, one token of each of ``decodes``: on the
+        chosen path, then eagerly; the eager tokens are fed back."""
+        cache = self.runner.kv_cache
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        layout: list[SequenceLayout] = []
+        logits_rows: list[int] = []
+        work = [(request, request.prompt_ids) for request in prefills]
+        work += [(request, [request.last_token_id]) for request in decodes]
+        for request, new_ids in work:
+            start = request.num_cached_tokens
+            end = start + len(new_ids)
+            self.grow(request, end)
+            table = cache.tables.table(request.request_id)
+            layout.append(SequenceLayout(len(token_ids), len(new_ids), start, table))
+            token_ids.extend(new_ids)
+            positions.extend(range(start, end))
+            slots.extend(cache.slot_ids(request.request_id, start, end))
+            logits_rows.append(len(token_ids) - 1)
+        inputs = StepInputs(token_ids, positions, slots, layout, logits_rows)
+        path = self.runner.choose(inputs)
+        eager = StepPath()
+        if path != eager:
+            logits = self.runner.forward(inputs, path)
+        # The eager step writes the step's K/V last: both paths go on from its cache.
+        reference = self.runner.forward(inputs, eager)
+        if path != eager:
+            error = max_relative_error(logits, reference)
+            # NaN stays NaN through max(): it fails every bound.
+            previous = self.errors.get(path.name, 0.0)
+            self.errors[path.name] = error if error != error else max(previous, error)
+        for (request, new_ids), row in zip(work, reference.argmax(-1).tolist(), strict=True):
+            request.num_cached_tokens += len(new_ids)
+            request.last_token_id = int(row)
+
+    def forget(self) -> None:
+        for request in self.requests:
+            self.runner.kv_cache.tables.forget(request.request_id)
+
+
+class _TokenCount(_Probe):
+    """The probe's sequence counted, not run: how many blocks it needs."""
+
+    def step(self, prefills: list[_ProbeRequest], decodes: list[_ProbeRequest]) -> None:
+        for request in prefills:
+            request.num_cached_tokens += len(request.prompt_ids)
+        for request in decodes:
+            request.num_cached_tokens += 1
+
+    def num_blocks(self) -> int:
+        block_size = self.runner.kv_cache.block_size
+        return sum(blocks_for(r.num_cached_tokens, block_size) for r in self.requests)
+
+
+def probe_step_paths(runner: StepRunner) -> dict[str, float]:
+    """Run the probe on ``runner``'s pool and drop every path whose logits stray;
+    each path's largest error, by name. Where the pool cannot hold the probe,
+    every compiled path is dropped (nothing unchecked serves)."""
+    compiled = [name for name in runner.planned() if name != EAGER]
+    if not compiled:
+        return {}
+    cache = runner.kv_cache
+    # The long prompt: 2 decodes at its width reach the paged attention's threshold.
+    long_blocks = max(MIN_BLOCKS, -(-PAGED_ATTENTION_MIN_BLOCKS // 2)) + 1
+    long_prompt = (long_blocks - 1) * cache.block_size + 1
+    sizes = batch_sizes(runner)
+    num_requests = max(3, *sizes)
+    counted = _TokenCount(runner, num_requests, long_prompt)
+    _run_sequence(counted, sizes)
+    needed = counted.num_blocks()
+    longest = max(request.num_cached_tokens for request in counted.requests)
+    if needed > cache.num_blocks or longest > runner.model.config.max_position_embeddings:
+        for name in compiled:
+            runner.drop(name)
+        _log.warning(
+            "step_path_dropped", paths=compiled, using="the eager forward",
+            reason=f"the K/V pool ({cache.num_blocks} blocks) or the context cannot hold "
+            f"the start's path probe ({needed} blocks, {longest} tokens)",
+        )  # fmt: skip
+        return {}
+    probe = _Probe(runner, num_requests, long_prompt)
+    try:
+        _run_sequence(probe, sizes)
+    finally:
+        probe.forget()
+    for name, error in probe.errors.items():
+        bound = runner.logit_tolerance(name) or MAX_LOGIT_ERROR
+        if not error <= bound:  # NaN too
+            runner.drop(name)
+            _log.error(
+                "step_path_dropped", path=name, logit_error=error, bound=bound,
+                using="the eager forward",
+            )  # fmt: skip
+    _log.info("step_paths_probed", logit_errors=probe.errors)
+    return probe.errors
+
+
+def batch_sizes(runner: StepRunner) -> list[int]:
+    """Decode batch sizes the probe runs: both ends of every graph's range of sizes
+    it can reach (its smallest and one more), at least 2 and 3."""
+    sizes = {2, 3}
+    runner_sizes = runner.decode_runner.size_ranges() if runner.decode_runner else []
+    for low, high in runner_sizes:
+        sizes.update(size for size in (low, low + 1) if size <= high)
+    return sorted(size for size in sizes if size >= 2)
+
+
+def _run_sequence(probe: _Probe, sizes: list[int]) -> None:
+    """Joins, leaves and mixed steps through every path the runner may choose."""
+    long, second, third, *rest = probe.requests
+    probe.step([long], [])
+    for _ in range(DECODES_PER_SHAPE):
+        probe.step([], [long])  # a lone decode
+    probe.step([second], [long])  # a join: a prompt beside one decode
+    for _ in range(DECODES_PER_SHAPE):
+        probe.step([], [long, second])  # a batch past the paged threshold
+    probe.step([third], [long, second])  # mixed: its decodes through the paged attention
+    for _ in range(DECODES_PER_SHAPE):
+        probe.step([], [long])  # back to one
+    for _ in range(DECODES_PER_SHAPE):
+        probe.step([], [second, third])  # a batch below the threshold
+    if rest:
+        probe.step(rest, [long, second, third])
+    running = probe.requests
+    for size in sizes:
+        for _ in range(DECODES_PER_SHAPE):
+            probe.step([], running[:size])
+    probe.step([], [long])  # and a lone decode after the largest batch
