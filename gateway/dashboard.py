@@ -29,6 +29,7 @@ class StepView(msgspec.Struct, frozen=True):
     num_joined: int
     num_left: int
     step_ms: float | None
+    path: str  # how the worker ran it ("eager", "graph[1]", ...; "" while running)
 
 
 class WorkerView(msgspec.Struct, frozen=True):
@@ -95,6 +96,7 @@ def view_frame(
                     step.num_joined,
                     step.num_left,
                     step.step_ms,
+                    step.path,
                 )
                 for step in worker.steps
             ],

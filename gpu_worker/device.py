@@ -47,3 +47,13 @@ def choose_dtype(device: torch.device, requested: str | None = None) -> torch.dt
             raise ValueError(f"dtype {requested!r} is not one of {', '.join(DTYPES)}")
         return DTYPES[requested]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def inductor_cache_dir(cache_dir: Path) -> Path:
+    """Where the worker keeps inductor's compiled graphs: beside the prepared models,
+    one folder per vector ISA torch runs (``AVX512``, ``AVX2``: its
+    ``ATEN_CPU_CAPABILITY``). Inductor's cache does not keep them apart: a graph
+    compiled under one and loaded under the other gave garbage or corrupted the
+    heap (the warm-up checks refused it, or the process died)."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return cache_dir / "inductor" / capability

@@ -145,12 +145,15 @@ class EngineHost(Protocol):
 
 def build_engine(settings: WorkerSettings) -> Engine:
     """The model on its device and a K/V pool of the configured size."""
+    from gpu_worker.device import inductor_cache_dir
     from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget
     from gpu_worker.model_loading import load_model
 
     # Compiled graphs kept beside the prepared models, so a restart reuses them.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.model.cache_dir / "inductor"))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(settings.model.cache_dir))
+    )
     model = load_model(
         settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
     )

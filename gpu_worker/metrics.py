@@ -96,13 +96,15 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self._clock = clock
         self._busy = BusyWindow(window_s, clock())
+        self._worker_id = worker_id
         self._step_time_s = Histogram(
             "orcapod:step_time_seconds",
-            "Time of one forward pass (one plan) on the worker.",
-            ["worker"],
+            "Time of one forward pass (one plan) on the worker, by the path it took "
+            "(gpu_worker/step_path.py: eager, eager+paged_attention, graph[1], ...).",
+            ["worker", "path"],
             buckets=STEP_TIME_BUCKETS_S,
             registry=self.registry,
-        ).labels(worker_id)
+        )
         self._batch_size = Histogram(
             "orcapod:batch_size",
             "Requests in one step (prompt chunks and decodes).",
@@ -125,7 +127,7 @@ class WorkerMetrics:
         if not output.num_new_tokens:
             return
         step_s = output.step_ms / 1000
-        self._step_time_s.observe(step_s)
+        self._step_time_s.labels(self._worker_id, output.path).observe(step_s)
         self._batch_size.observe(num_requests)
         self._tokens_per_step.observe(output.num_new_tokens)
         self._busy.add(self._clock(), step_s)

@@ -34,10 +34,12 @@ from gpu_worker.step_path import (
 from gpu_worker.unguarded_compile import max_relative_error
 
 # How far a path's logits may stray from the eager forward's, relative to the
-# largest logit, where the runner names no bound of its own (fused loops and
-# the paged attention's sums round differently; a wrong input reads other
-# requests' data and strays by tens of percent).
-MAX_LOGIT_ERROR = 1e-3
+# largest logit, unless its runner allows more (bf16 graphs). Fused loops and
+# another LM head round differently: SmolLM2's lone float16 graph strays up to
+# 6.5e-4 over the probe (its head in int8 against fbgemm's fp16), the paged
+# attention 1.4e-6. A path that reads the wrong data strays by far more: 0.95
+# when the paged attention took its queries as a strided view.
+MAX_LOGIT_ERROR = 5e-3
 # Decode steps each request takes in a row before the batch changes.
 DECODES_PER_SHAPE = 2
 
@@ -179,7 +181,7 @@ def probe_step_paths(runner: StepRunner) -> dict[str, float]:
     finally:
         probe.forget()
     for name, error in probe.errors.items():
-        bound = runner.logit_tolerance(name) or MAX_LOGIT_ERROR
+        bound = max(runner.logit_tolerance(name) or 0.0, MAX_LOGIT_ERROR)
         if not error <= bound:  # NaN too
             runner.drop(name)
             _log.error(

@@ -73,7 +73,10 @@ class LiveView:
             if record.step_index == output.step_index:
                 if record.step_ms is None:  # a result is counted once
                     steps[position] = msgspec.structs.replace(
-                        record, step_ms=output.step_ms, num_left=record.num_left + num_finished
+                        record,
+                        step_ms=output.step_ms,
+                        num_left=record.num_left + num_finished,
+                        path=output.path,
                     )
                 return
 

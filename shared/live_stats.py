@@ -31,6 +31,9 @@ class StepRecord(msgspec.Struct, frozen=True, array_like=True):
     num_joined: int  # requests admitted with this plan
     num_left: int  # requests released (finished, cancelled, preempted) with this plan
     step_ms: float | None  # the worker's forward time; None until its result is in
+    # How the worker ran it (gpu_worker/step_path.py: "eager", "graph[1]", ...);
+    # "" until its result is in.
+    path: str = ""
 
 
 class WorkerLive(msgspec.Struct, frozen=True):

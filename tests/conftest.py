@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-# Every worker the suite starts runs the exact weights (its greedy outputs are
-# compared with the engine alone's and transformers'; packing the default's
-# float16 would also add 2 s to each start). The default itself, ``auto``,
-# is served by tests/test_up.py's service and tested in
-# tests/gpu_worker/test_quantized_linear.py.
-os.environ.setdefault("ORCAPOD_WEIGHTS", "float32")
-# ... and the eager forward: compiling a decode graph takes tens of seconds a
-# start. tests/gpu_worker/test_compiled_decode.py compiles tiny models' graphs.
+# Every worker the suite starts runs the default weights (``auto``: what a user
+# gets on this CPU), and compares its answers with the same format's; only the
+# comparisons with transformers load the exact float32 weights (``load_model``'s
+# default). The workers run the eager forward: compiling the decode paths takes
+# tens of seconds a start. The compiled paths a user runs are served by
+# tests/test_up.py's service and checked step path by step path in
+# tests/gpu_worker/test_step_paths.py.
+os.environ.pop("ORCAPOD_WEIGHTS", None)
 os.environ.setdefault("ORCAPOD_COMPILE_DECODE", "0")
 
 

@@ -26,6 +26,7 @@ from shared.messages import (
     decode_gateway_message,
     encode,
 )
+from shared.settings import WorkerSettings
 from tests.gpu_worker.plans import Job, run_jobs
 from tests.gpu_worker.tiny_models import TINY_VOCAB_SIZE, write_tiny_model
 
@@ -106,8 +107,8 @@ def service(
 
 
 def expected_tokens(model_dir: Path, jobs: list[Job]) -> dict[str, list[int]]:
-    """What the engine gives each request on its own."""
-    model = load_model(model_dir, device="cpu", dtype="float32")
+    """What the engine gives each request on its own, in the worker's default format."""
+    model = load_model(model_dir, "cpu", "float32", WorkerSettings.weight_format)
     engine = Engine(model, KVCacheBudget(num_bytes=KV_CACHE_BYTES), "cpu")
     return {job.request_id: run_jobs_alone(engine, job) for job in jobs}
 

@@ -26,8 +26,10 @@ from tests.up_process import REPO, UpProcess
 def service(prepared_model_dir):
     """One `orcapod up` for the module; its last test stops it."""
     port = free_port_run(2)
-    # What a user runs: no REDIS_URL, and the default weights (not the suite's pin).
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "ORCAPOD_WEIGHTS")}
+    # What a user runs: no REDIS_URL, the default weights and the compiled decode
+    # (not the suite's pins).
+    pins = ("REDIS_URL", "ORCAPOD_WEIGHTS", "ORCAPOD_COMPILE_DECODE")
+    env = {k: v for k, v in os.environ.items() if k not in pins}
     up = UpProcess(
         [
             *("--port", str(port), "--gateways", "2", "--model", str(prepared_model_dir)),
@@ -35,7 +37,7 @@ def service(prepared_model_dir):
         ],
         env,
     )
-    up.wait_ready()
+    up.wait_ready(timeout_s=900)  # a first start compiles the decode paths
     yield up.process, port, up
     up.stop()
 
@@ -62,6 +64,47 @@ async def _generate(url: str, question: str, max_tokens: int = 12) -> tuple[str,
             elif isinstance(message, Done):
                 assert seqs == list(range(len(seqs)))
                 return "".join(text), message
+
+
+OVERLAP_QUESTIONS = [
+    "Write a poem about the sea.",
+    "Why is the sky blue?",
+    "Count to ten.",
+    "A compiler is",
+    "What is the capital of France?",
+    "Name three fruits.",
+]
+
+
+def test_overlapping_greedy_chats_answer_as_each_alone(service):
+    """The default a user gets (packed weights, compiled decode paths): six greedy
+    chats sent 0.15 s apart over both gateways give the answers each gives alone.
+    (Once, the compiled attention of batches read a strided view of the queries
+    and garbled every overlapping answer but the first.)"""
+    _, port, _ = service
+    urls = [f"ws://127.0.0.1:{port + index % 2}/ws" for index in range(len(OVERLAP_QUESTIONS))]
+
+    async def alone() -> list[str]:
+        return [
+            (await _generate(url, q, 40))[0] for url, q in zip(urls, OVERLAP_QUESTIONS, strict=True)
+        ]
+
+    async def overlapping() -> list[str]:
+        async def after(delay_s: float, url: str, question: str) -> str:
+            await asyncio.sleep(delay_s)
+            return (await _generate(url, question, 40))[0]
+
+        return list(
+            await asyncio.gather(
+                *(
+                    after(0.15 * i, url, q)
+                    for i, (url, q) in enumerate(zip(urls, OVERLAP_QUESTIONS, strict=True))
+                )
+            )
+        )
+
+    lone_answers = asyncio.run(alone())
+    assert asyncio.run(overlapping()) == lone_answers
 
 
 def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(service):

@@ -236,7 +236,10 @@
   }
 
   function describeStep(step) {
-    const ms = typeof step.step_ms === "number" ? `${step.step_ms.toFixed(1)} ms` : "running";
+    const ms =
+      typeof step.step_ms === "number"
+        ? `${step.step_ms.toFixed(1)} ms${step.path ? ` on ${step.path}` : ""}`
+        : "running";
     return (
       `step #${step.step_index}: ${step.num_requests} request` +
       `${step.num_requests === 1 ? "" : "s"}, ${step.num_prefill_tokens} prefill + ` +

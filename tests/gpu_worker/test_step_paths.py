@@ -1,0 +1,168 @@
+"""Every step path a worker can take gives each request its own answer: overlapping
+chats on the real SmolLM2 against the same chats alone (``overlap_scenario.py``),
+for every weight format this CPU packs, eager and compiled, and the default
+held to AVX2 where this CPU has AVX-512; and the choice of path itself.
+
+What this covers on a given machine is named in each case's id; formats the
+CPU cannot run (int4 without bf16 units) are skipped with the reason, and an
+AVX2-only machine's native default is the AVX2 case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.tokenizer import ChatTokenizer
+from gpu_worker.attention import SequenceLayout
+from gpu_worker.device import cpu_has_native_bf16
+from gpu_worker.model_loading import load_model
+from gpu_worker.quantized_linear import resolve_weight_format
+from gpu_worker.step_path import (
+    EAGER,
+    EAGER_PAGED_ATTENTION,
+    PAGED_ATTENTION_MIN_BLOCKS,
+    StepPath,
+    choose,
+)
+from tests.gpu_worker import overlap_scenario
+
+CPU = torch.device("cpu")
+DEFAULT = resolve_weight_format("auto", CPU, torch.float32)
+CASES = [
+    pytest.param("auto", True, id=f"default-{DEFAULT}-compiled"),
+    pytest.param("float32", True, id="float32-compiled"),
+    pytest.param("float32", False, id="float32-eager"),
+    pytest.param("float16", False, id="float16-eager"),
+    pytest.param(
+        "int4",
+        False,
+        id="int4-eager",
+        marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no bf16 units: no int4"),
+    ),
+]
+if DEFAULT != "float16":
+    CASES.append(pytest.param("float16", True, id="float16-compiled"))
+if DEFAULT != "int4":
+    CASES.append(
+        pytest.param(
+            "int4",
+            True,
+            id="int4-compiled",
+            marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no bf16 units: no int4"),
+        )
+    )
+
+
+def _check(result: dict, compile_decode: bool) -> None:
+    runs = result["runs"]
+    for name, run in runs.items():
+        assert run["differing"] == {}, (name, result["weight_format"], run["differing"])
+    overlapping = [runs["one worker"], runs["two workers"]]
+    assert all(run["num_preemptions"] > 0 for run in overlapping)
+    assert all(run["num_cached_tokens"] > 0 for run in overlapping)
+    taken = set(runs["alone"]["paths"]) | {p for run in overlapping for p in run["paths"]}
+    if compile_decode:
+        # Every path the worker planned was taken (the probe dropped none).
+        assert set(result["planned_paths"]) <= taken, (result["planned_paths"], taken)
+        assert {"graph[1]", EAGER_PAGED_ATTENTION} <= taken
+    else:
+        assert taken == {EAGER}
+
+
+@pytest.mark.parametrize(("weight_format", "compile_decode"), CASES)
+def test_overlapping_chats_answer_as_each_alone(
+    prepared_model_dir, weight_format: str, compile_decode: bool
+) -> None:
+    tokenizer = ChatTokenizer.from_model_dir(prepared_model_dir)
+    model = load_model(prepared_model_dir, "cpu", "float32", weight_format)
+    chats = overlap_scenario.prompts(tokenizer)
+
+    result = overlap_scenario.compare(model, chats, compile_decode)
+
+    expected = DEFAULT if weight_format == "auto" else weight_format
+    assert result["weight_format"] == expected
+    _check(result, compile_decode)
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() == "AVX2",
+    reason="this CPU is AVX2-only: the default case above is the AVX2 one",
+)
+def test_the_default_held_to_avx2_answers_as_alone(prepared_model_dir) -> None:
+    """AVX2-only CPUs (most laptops and many VMs) get another default (float16, no
+    int4, the LM head in fp16 outside the graph): held to AVX2 here, in a process
+    of its own, compiled as users run it."""
+    # Inductor's cache does not keep the two ISAs' graphs apart (gpu_worker/device.py).
+    cache = Path(tempfile.gettempdir()) / "torchinductor_orcapod_tests_avx2"
+    environment = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+    }
+    completed = subprocess.run(
+        [sys.executable, "-m", "tests.gpu_worker.overlap_scenario", str(prepared_model_dir),
+         "auto", "1"],
+        env=environment, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["weight_format"] == "float16"
+    _check(result, compile_decode=True)
+
+
+class _Graphs:
+    """A decode runner with a lone graph and one for 2 to 8 requests."""
+
+    def graph_for(self, layout: list[SequenceLayout]) -> str | None:
+        if any(sequence.num_query_tokens != 1 for sequence in layout):
+            return None
+        return "graph[1]" if len(layout) == 1 else "graph[2-8]" if len(layout) <= 8 else None
+
+
+class _Kernel:
+    def takes(self, num_requests: int, num_blocks: int) -> bool:
+        return num_requests >= 2
+
+
+def _decodes(num_requests: int, num_blocks: int, start: int = 0) -> list[SequenceLayout]:
+    return [
+        SequenceLayout(start + index, 1, num_blocks * 16 - 1, list(range(num_blocks)))
+        for index in range(num_requests)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("layout", "all_sampled", "expected"),
+    [
+        (_decodes(1, 3), True, StepPath(graph="graph[1]")),
+        (_decodes(5, 3), True, StepPath(graph="graph[2-8]")),
+        # Past the graphs' range: eager, the paged attention past its threshold.
+        (_decodes(9, 3), True, StepPath(paged_attention=True)),
+        # A prompt chunk beside decodes: eager; its decodes' blocks decide.
+        ([SequenceLayout(0, 5, 0, [0]), *_decodes(2, 8, start=5)], False,
+         StepPath(paged_attention=True)),
+        ([SequenceLayout(0, 5, 0, [0]), *_decodes(2, 7, start=5)], False, StepPath()),
+        # One-token chunks that do not sample cannot take a graph.
+        (_decodes(2, 8), False, StepPath(paged_attention=True)),
+    ],
+    ids=["lone", "batch", "past the graphs", "mixed at 16 blocks", "mixed at 14 blocks",
+         "unsampled"],
+)  # fmt: skip
+def test_one_function_chooses_each_steps_path(layout, all_sampled, expected) -> None:
+    path = choose(layout, all_sampled, _Graphs(), _Kernel())  # type: ignore[arg-type]
+    assert path == expected
+    assert PAGED_ATTENTION_MIN_BLOCKS == 2 * 8  # the mixed cases sit on its two sides
+
+
+def test_without_compiled_parts_every_step_is_eager() -> None:
+    assert choose(_decodes(1, 3), True, None, None) == StepPath()
+    assert choose(_decodes(4, 9), True, None, None).name == EAGER
+    assert StepPath(paged_attention=True).name == EAGER_PAGED_ATTENTION
