@@ -1,6 +1,6 @@
-"""Packed weights (``--weights int8`` / ``float16``) against fp32: agreement and step times.
+"""Packed weights (``--weights float16`` / ``int4``) against fp32: agreement and step times.
 
-    python bench/quant_agreement.py [--model DIR] [--formats int8,float16]
+    python bench/quant_agreement.py [--model DIR] [--formats float16]
                                     [--max-tokens 64] [--quick] [--out FILE.json]
 
 On the packaged SmolLM2 (CPU, 2 threads, the ``cpu`` attention backend), for
@@ -11,9 +11,9 @@ float32 and each packed format, driving ``Engine.step`` directly:
    format, the fraction of prompts whose continuation is identical to fp32's
    and the mean length of the common prefix. The same prompts are also run as
    one batch (one prefill step for all, then decode steps together), compared
-   with the same format run alone: int8 quantizes a step's activations with
-   one scale, so a request's tokens depend on its neighbours; fp32's own
-   batched-vs-alone figure is the baseline.
+   with the same format run alone: int4 takes its bf16 copy for steps of more
+   than ``INT4_MAX_ROWS`` rows, so a request's tokens may depend on its
+   neighbours; fp32's own batched-vs-alone figure is the baseline.
 2. **first-step logits**: the relative L2 error ``|l - l_fp32| / |l_fp32|``
    of each prompt's prefill logits (max and mean over prompts), the largest
    absolute difference, and whether the first token is the same.
@@ -212,7 +212,7 @@ def time_steps(
 
 def load_unchecked(model_dir: Path, weight_format: str) -> LlamaModel:
     """The model in ``weight_format`` without ``load_model``'s probe check, which
-    would keep int8 off SmolLM2: here the point is to measure it."""
+    would keep a straying format off the model: here the point is to measure it."""
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, CPU, torch.float32)
     weights = pack_weights(weights, weight_format, CPU, torch.float32, probe=None)
@@ -296,7 +296,7 @@ def print_report(result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: the prepared SmolLM2)")
-    parser.add_argument("--formats", default="int8,float16", help="packed formats beside float32")
+    parser.add_argument("--formats", default="float16", help="packed formats beside float32")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--context", type=int, default=256)

@@ -53,13 +53,7 @@ from gpu_worker.decode_attention import (
 )
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
-from gpu_worker.quantized_linear import (
-    INT4_MAX_ROWS,
-    Int4Linear,
-    PackedLinear,
-    traceable,
-    traceable_for_batches,
-)
+from gpu_worker.quantized_linear import PackedLinear, traceable, traceable_for_batches
 from gpu_worker.unguarded_compile import UnguardedGraph, max_relative_error
 
 # The largest batch the batch graph takes (a bound dynamo's shape reasoning needs).
@@ -266,7 +260,7 @@ class CompiledDecode:
         untraceable = untraceable_matrices(model)
         if untraceable:
             raise DecodeCompileError(
-                f"its {untraceable} layer matrices are only fbgemm's packed objects (int8), "
+                f"its {untraceable} layer matrices are only fbgemm's packed objects, "
                 "which would break the graph at every matmul"
             )
         if kv_cache.num_blocks < MIN_BLOCKS:
@@ -353,9 +347,7 @@ class CompiledDecode:
         for min_requests, max_requests in batch_ranges(matrices):
             # Checked against the eager forward at the same size, whose matrices
             # take the same kernels (int4's bf16 copy rounds in bf16: a looser bound).
-            in_bf16 = min_requests > INT4_MAX_ROWS and any(
-                isinstance(matrix, Int4Linear) for matrix in matrices
-            )
+            in_bf16 = any(matrix.computes_dense_bf16(min_requests) for matrix in _packed(matrices))
             max_error = MAX_BF16_LOGIT_ERROR if in_bf16 else MAX_LOGIT_ERROR
             graph = _DecodeGraph(
                 self.model, self.kv_cache, min_requests, max_requests, self.max_blocks, False,
@@ -378,12 +370,27 @@ class CompiledDecode:
 
 
 def batch_ranges(matrices: list[torch.Tensor | PackedLinear]) -> list[tuple[int, int]]:
-    """The ranges of batch sizes a graph each: int4's matrices take their 4-bit
-    kernel up to INT4_MAX_ROWS rows and their bf16 copy above, a graph one of the
-    two; every other traceable matrix one kernel for any size."""
-    if any(isinstance(matrix, Int4Linear) for matrix in matrices):
-        return [(2, INT4_MAX_ROWS), (INT4_MAX_ROWS + 1, BATCH_MAX_REQUESTS)]
-    return [(2, BATCH_MAX_REQUESTS)]
+    """The ranges of batch sizes a graph each, split where a matrix changes kernel
+    (``kernel_changes_above``: int4's take their 4-bit kernel up to INT4_MAX_ROWS
+    rows and their bf16 copy above, a graph one of the two); every other traceable
+    matrix takes one kernel for any size."""
+    # A range ends at each bound within the batch sizes, the next starts above it.
+    bounds = sorted(
+        {
+            bound
+            for matrix in _packed(matrices)
+            if (bound := matrix.kernel_changes_above) is not None
+            and 2 <= bound < BATCH_MAX_REQUESTS
+        }
+    )
+    firsts = [2, *(bound + 1 for bound in bounds)]
+    return list(zip(firsts, [*bounds, BATCH_MAX_REQUESTS], strict=True))
+
+
+def _packed(matrices: list[torch.Tensor | PackedLinear]) -> list[PackedLinear]:
+    """The packed ones of ``matrices``: plain tensors take ``F.linear``, one kernel
+    for any size, in the model's own dtype (the graph's bound is the exact one)."""
+    return [matrix for matrix in matrices if not isinstance(matrix, torch.Tensor)]
 
 
 def layer_matrices(model: LlamaModel) -> list[torch.Tensor | PackedLinear]:

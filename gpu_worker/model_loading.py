@@ -29,9 +29,9 @@ def load_model(
 ) -> LlamaModel:
     """Load a Hugging Face-format Llama directory on the chosen device and dtype.
 
-    ``weight_format`` 'int8' or 'float16' packs the matrices for the CPU's
-    fbgemm kernels (``quantized_linear``; 'auto' picks float16 where fbgemm
-    runs, the loaded tensors elsewhere); where they cannot run, or their
+    ``weight_format`` 'float16' or 'int4' packs the matrices for the CPU's
+    kernels (``quantized_linear``; 'auto' picks int4, else float16, where they
+    run, the loaded tensors elsewhere); where they cannot run, or their
     logits of a probe prompt stray from the loaded weights', the loaded
     tensors are kept (the exact path) and one log line says why.
     """

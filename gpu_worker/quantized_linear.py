@@ -3,15 +3,8 @@
 The forward pass calls ``linear(x, weight)`` for every projection and the LM
 head; ``weight`` is either a plain tensor (``F.linear``: the exact path) or a
 matrix packed for one of the x86 kernels that ship in every x86 torch wheel
-(fbgemm's, and torch's own 4-bit one):
+(fbgemm's fp16 one, and torch's own 4-bit one):
 
-- ``int8``: weights quantized symmetrically per output channel
-  (``scale = max|w| / 127``); each call quantizes its activations with one
-  scale per call (7 bits, fbgemm's ``reduce_range``, which keeps AVX2's
-  16-bit pair sums from saturating) and accumulates in int32. 1-2 % relative
-  error per layer on random inputs, but 5-21 % on SmolLM2's own activations,
-  whose outlier channels that one scale flattens; a row's result also
-  depends on the other rows of its step through that shared scale.
 - ``float16``: weights rounded to fp16 once; activations and accumulation
   stay fp32 (about 0.02 % per layer, independent of the batch).
 - ``int4``: for weights that already lie on a 4-bit grid per 32 values (a
@@ -33,18 +26,17 @@ one fused loop.
 hands them back unchanged with one log line per format tried saying why it
 cannot: not the CPU, not fp32, no fbgemm, no bf16 units (int4), a matrix the
 format cannot hold, or logits of a probe prompt that stray from the loaded
-weights' (int8's do, on SmolLM2). Why these kernels and not others, and what
-they cost in agreement: docs/benchmarks.md, *Issue 14, second step* (AVX2)
-and *fourth step* (AVX-512 with BF16).
+weights'. Why these kernels and not others, and what they cost in agreement:
+docs/benchmarks.md, *Issue 14, second step* (AVX2) and *fourth step* (AVX-512
+with BF16).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import structlog
 import torch
@@ -61,7 +53,7 @@ if TYPE_CHECKING:
 # probe winning. float16: every greedy token of 20 chat prompts identical to
 # fp32's, logits within 0.15 %, 1.6-1.8x fp32's decode at batch 1 (AVX2,
 # docs/benchmarks.md, *Issue 14, second step*); int4, where it runs, reads a
-# quarter of float16's bytes (*Issue 14, fourth step*). int8 is not near-exact.
+# quarter of float16's bytes (*Issue 14, fourth step*).
 AUTO_CPU_FORMATS = ("int4", "float16")
 # The 4-bit groups: one scale and one minimum per this many weights of a row.
 INT4_GROUP_SIZE = 32
@@ -80,7 +72,7 @@ INT8_ROW_TILE = 16
 INT8_GROUP_CPU_CAPABILITIES = ("AVX512",)
 # Packed weights whose probe logits differ from the loaded weights' by more
 # than this (relative L2) are not used. Measured: float16 0.04 % on SmolLM2
-# and 0.03 % on the tests' tiny model; int8 26 % and 2.4 %.
+# and 0.03 % on the tests' tiny model.
 MAX_PROBE_LOGIT_ERROR = 0.01
 
 _log = structlog.get_logger(__name__)
@@ -88,38 +80,6 @@ _log = structlog.get_logger(__name__)
 
 class PackError(ValueError):
     """A matrix that a packed format cannot hold faithfully."""
-
-
-@dataclass(frozen=True)
-class Int8Linear:
-    """``[out, in]`` weights as int8 per output channel, for ``quantized::linear_dynamic``."""
-
-    packed: Any  # fbgemm's LinearPackedParamsBase (a TorchScript object)
-    out_features: int
-    in_features: int
-
-    @classmethod
-    def pack(cls, weight: torch.Tensor) -> Int8Linear:
-        """Quantize ``weight`` [out, in] (fp32) per row."""
-        scales = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        zero_points = torch.zeros(len(weight), dtype=torch.int64)
-        # These ops are deprecated in favour of torchao, whose CPU int8 paths
-        # have no AVX2 kernels (5-100x slower here, docs/benchmarks.md).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(
-                weight.contiguous(), scales.double(), zero_points, 0, torch.qint8
-            )
-            packed = torch.ops.quantized.linear_prepack(quantized, None)
-        return cls(packed, int(weight.shape[0]), int(weight.shape[1]))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, in] fp32 -> [T, out] fp32."""
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
-
-    @property
-    def num_bytes(self) -> int:
-        return self.out_features * self.in_features
 
 
 @dataclass(frozen=True)
@@ -132,6 +92,13 @@ class Float16Linear:
     out_features: int
     in_features: int
 
+    weight_format: ClassVar[str] = "float16"
+    # A graph of a batch would read every weight once per row through the traced
+    # form (products and a sum), and fbgemm's object not at all.
+    traceable_for_batches: ClassVar[bool] = False
+    # Above how many rows a call takes another kernel: never (fbgemm's fp16 one).
+    kernel_changes_above: ClassVar[int | None] = None
+
     @classmethod
     def pack(cls, weight: torch.Tensor, traceable: bool = True) -> Float16Linear:
         """Round ``weight`` [out, in] (fp32) to fp16; ``traceable`` keeps the plain
@@ -142,6 +109,22 @@ class Float16Linear:
         packed = torch.ops.quantized.linear_prepack_fp16(weight.contiguous(), None)
         plain = weight.to(torch.float16).contiguous() if traceable else None
         return cls(packed, plain, int(weight.shape[0]), int(weight.shape[1]))
+
+    @classmethod
+    def pack_head(cls, weight: torch.Tensor) -> Float16Linear:
+        """The LM head [vocab, hidden] (fp32) without the plain copy, which no graph
+        traces (a head that is fbgemm's alone runs after the graph)."""
+        return cls.pack(weight, traceable=False)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether a compiled graph can trace a call of one row: through the plain copy."""
+        return self.weight is not None
+
+    def computes_dense_bf16(self, num_rows: int) -> bool:
+        """Whether a compiled graph's calls of ``num_rows`` rows are a dense bf16
+        matmul: never (fp16 weights, fp32 arithmetic)."""
+        return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] fp32 -> [T, out] fp32."""
@@ -232,6 +215,9 @@ class Int4Kernel:
     packed: torch.Tensor  # [out, in / 2] uint8, torch's int4pack layout
     scales_and_zeros: torch.Tensor  # [in / group, out, 2] bf16: w = (q - 8) * scale + zero
 
+    # torch's own op, which a compiled graph calls as it is.
+    traceable: ClassVar[bool] = True
+
     @classmethod
     def pack(cls, weight: torch.Tensor) -> Int4Kernel:
         """``weight`` [out, in] (fp32), whose every group of 32 is ``q * scale + minimum``
@@ -280,6 +266,12 @@ class Int4Linear:
     out_features: int
     in_features: int
 
+    weight_format: ClassVar[str] = "int4"
+    # A graph of a batch reads the bf16 copy as one matmul.
+    traceable_for_batches: ClassVar[bool] = True
+    # More rows take the bf16 copy (a compiled graph each side: ``batch_ranges``).
+    kernel_changes_above: ClassVar[int | None] = INT4_MAX_ROWS
+
     @classmethod
     def pack(cls, weight: torch.Tensor, off_grid_ok: bool = False) -> Int4Linear:
         """``weight`` [out, in] (fp32) on a 4-bit grid (PackError otherwise), or any
@@ -292,6 +284,22 @@ class Int4Linear:
             few_rows = Float16Linear.pack(weight, traceable=False)
         out_features, in_features = weight.shape
         return cls(few_rows, weight.to(torch.bfloat16), int(out_features), int(in_features))
+
+    @classmethod
+    def pack_head(cls, weight: torch.Tensor) -> Int4Linear:
+        """The LM head [vocab, hidden] (fp32), often the tied embedding, kept finer
+        than the layers: fp16 for few rows where it is off the 4-bit grid."""
+        return cls.pack(weight, off_grid_ok=True)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether a compiled graph can trace a call of one row (the few-rows form)."""
+        return self.few_rows.traceable
+
+    def computes_dense_bf16(self, num_rows: int) -> bool:
+        """Whether a compiled graph's calls of ``num_rows`` rows are a dense bf16
+        matmul: the bf16 copy's, above ``INT4_MAX_ROWS`` rows."""
+        return num_rows > INT4_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] fp32 -> [T, out] fp32. In a graph traced for a range of T
@@ -310,8 +318,23 @@ class WithTracedForm:
     """One matrix in two forms: ``eager``'s kernels (fbgemm's, opaque to the tracer)
     outside compiled graphs, ``traced`` inside them. The LM head on a Q8_0 grid."""
 
-    eager: Int8Linear | Float16Linear | Int4Linear
+    eager: Float16Linear | Int4Linear
     traced: Int8GroupLinear
+
+    # Graphs trace the int8 form; only the lone graph, at one row, takes the head.
+    traceable: ClassVar[bool] = True
+    traceable_for_batches: ClassVar[bool] = False
+    kernel_changes_above: ClassVar[int | None] = None
+
+    @property
+    def weight_format(self) -> str:
+        """The format of the eager form, which the head was packed as."""
+        return self.eager.weight_format
+
+    def computes_dense_bf16(self, num_rows: int) -> bool:
+        """Whether a compiled graph's calls of ``num_rows`` rows are a dense bf16
+        matmul: no, a graph reads the int8 form (fp32 arithmetic)."""
+        return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] fp32 -> [T, out] fp32."""
@@ -324,12 +347,10 @@ class WithTracedForm:
         return self.eager.num_bytes + self.traced.num_bytes
 
 
-PackedLinear = Int8Linear | Float16Linear | Int4Linear | WithTracedForm
-Packer = type[Int8Linear] | type[Float16Linear] | type[Int4Linear]
+PackedLinear = Float16Linear | Int4Linear | WithTracedForm
+Packer = type[Float16Linear] | type[Int4Linear]
 _PACKERS: dict[str, Packer] = {
-    "int8": Int8Linear,
-    "float16": Float16Linear,
-    "int4": Int4Linear,
+    packer.weight_format: packer for packer in (Float16Linear, Int4Linear)
 }
 
 
@@ -345,20 +366,16 @@ def linear(
 
 def traceable(weight: torch.Tensor | PackedLinear) -> bool:
     """Whether torch.compile can trace ``linear(x, weight)`` for one row: plain
-    tensors, torch's 4-bit kernel and the plain or int8 copies kept for graphs can;
-    fbgemm's packed objects alone cannot."""
-    if isinstance(weight, Int4Linear):
-        return isinstance(weight.few_rows, Int4Kernel) or traceable(weight.few_rows)
-    if isinstance(weight, Float16Linear):
-        return weight.weight is not None
-    return not isinstance(weight, Int8Linear)
+    tensors, torch's 4-bit kernel, and the plain fp16 copies or a Q8_0 head's int8
+    form kept for graphs can; fbgemm's packed objects alone cannot."""
+    return isinstance(weight, torch.Tensor) or weight.traceable
 
 
 def traceable_for_batches(weight: torch.Tensor | PackedLinear) -> bool:
     """Whether a compiled graph of a batch (rows a dynamic size) reads ``weight`` as a
     matmul: plain tensors and int4's bf16 copy do; float16's traced form (products
     and a sum) would read every weight once per row, fbgemm's objects not at all."""
-    return isinstance(weight, torch.Tensor | Int4Linear)
+    return isinstance(weight, torch.Tensor) or weight.traceable_for_batches
 
 
 def unsupported_reason(
@@ -470,11 +487,9 @@ def resolve_weight_format(weight_format: str, device: torch.device, dtype: torch
 def weight_format_of(weights: ModelWeights) -> str:
     """The format the projections of ``weights`` are in ('float32' for plain tensors)."""
     matrix = weights.layers[0].qkv_proj if weights.layers else weights.lm_head
-    for name, packer in _PACKERS.items():
-        if isinstance(matrix, packer):
-            return name
-    assert isinstance(matrix, torch.Tensor)
-    return str(matrix.dtype).removeprefix("torch.")
+    if isinstance(matrix, torch.Tensor):
+        return str(matrix.dtype).removeprefix("torch.")
+    return matrix.weight_format
 
 
 def _pack_all(
@@ -515,17 +530,10 @@ def _pack_all(
 
 def _pack_head(weight: torch.Tensor, packer: Packer) -> PackedLinear:
     """The LM head (often the tied embedding, often kept finer than the layers):
-    ``packer``'s form for eager calls (int4 keeps fp16 off its grid; fp16 without a
-    plain copy, which no graph traces), with its exact int8 form for compiled graphs
-    where it lies on a Q8_0 grid (the packaged model's does) and the CPU's vector
-    code is AVX-512 (``INT8_GROUP_CPU_CAPABILITIES``)."""
-    eager: Int8Linear | Float16Linear | Int4Linear
-    if packer is Int4Linear:
-        eager = Int4Linear.pack(weight, off_grid_ok=True)
-    elif packer is Float16Linear:
-        eager = Float16Linear.pack(weight, traceable=False)
-    else:
-        eager = packer.pack(weight)
+    ``packer``'s head form for eager calls (``pack_head``), with its exact int8 form
+    for compiled graphs where it lies on a Q8_0 grid (the packaged model's does) and
+    the CPU's vector code is AVX-512 (``INT8_GROUP_CPU_CAPABILITIES``)."""
+    eager = packer.pack_head(weight)
     if torch.backends.cpu.get_cpu_capability() not in INT8_GROUP_CPU_CAPABILITIES:
         return eager
     try:

@@ -19,6 +19,7 @@ from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.local_blocks import step_alone
 from gpu_worker.model_config import ModelLoadError
 from gpu_worker.model_loading import load_model
+from gpu_worker.quantized_linear import weight_format_of
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import WEIGHT_FORMATS, WorkerSettings, model_location
 
@@ -66,9 +67,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _shortened(prompt: str, limit: int = 60) -> str:
+    return prompt if len(prompt) <= limit else prompt[: limit - 1] + "…"
+
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
-    if args.max_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise ValueError("need max_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+    # Written so that NaN fails each bound, as the gateway's validation does.
+    if not (
+        args.max_tokens >= 1 and 0 <= args.temperature <= 100 and 0 < args.top_p <= 1
+        and args.top_k >= 0
+    ):  # fmt: skip
+        raise ValueError(
+            "need max_tokens >= 1, 0 <= temperature <= 100, 0 < top_p <= 1, top_k >= 0"
+        )
     return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_decode=args.compile_decode,
     )  # fmt: skip
     conversations = []
+    context = model.config.max_position_embeddings
     for index, prompt in enumerate(args.prompts):
         text = (
             prompt
@@ -128,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             else tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         )
         prompt_ids = tokenizer.encode(text, add_special_tokens=args.raw)
+        if not 0 < len(prompt_ids) < context:
+            print(
+                f"orcapod generate: prompt {index + 1} is {len(prompt_ids)} tokens; "
+                f"it needs 1 to {context - 1} (the model's context is {context})",
+                file=sys.stderr,
+            )
+            return 2
         conversations.append(
             _Conversation(
                 f"prompt{index}", prompt, prompt_ids, IncrementalDetokenizer(tokenizer, prompt_ids)
@@ -160,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed_s = time.perf_counter() - started
     for conversation in conversations:
         if not stream:
-            print(f"--- {conversation.prompt!r}")
+            print(f"--- {_shortened(conversation.prompt)!r}")
             print("".join(conversation.text))
         elif conversation.text and not conversation.text[-1].endswith("\n"):
             print()
@@ -168,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"[{len(conversations)} request(s), {engine.stats.num_steps} steps, {num_generated} tokens "
         f"in {elapsed_s:.2f} s: {num_generated / elapsed_s:.1f} tok/s; {model.device}, "
-        f"{str(model.dtype).removeprefix('torch.')}, {engine.backend.name} attention; "
+        f"{weight_format_of(model.weights)} weights, {engine.backend.name} attention, "
+        f"paths {', '.join(engine.paths.planned())}; "
         f"finish: {', '.join(c.finish_reason or '?' for c in conversations)}]",
         file=sys.stderr,
     )

@@ -158,7 +158,7 @@ class SchedulerSettings:
 
 # The worker's --weights choices (gpu_worker/quantized_linear.py packs them);
 # "auto" tries the fastest one the device runs first (``candidate_formats``).
-WEIGHT_FORMATS = ("auto", "float32", "int8", "float16", "int4")
+WEIGHT_FORMATS = ("auto", "float32", "float16", "int4")
 
 
 @dataclass(frozen=True)
@@ -171,8 +171,8 @@ class WorkerSettings:
     device: str | None = None
     dtype: str | None = None
     # How the matrices are held: 'float32' (exact), or packed for the CPU's
-    # fbgemm kernels, 'int8' or 'float16' (gpu_worker/quantized_linear.py);
-    # 'auto': float16 on a CPU in float32, the loaded tensors elsewhere.
+    # kernels, 'float16' (fbgemm's) or 'int4' (gpu_worker/quantized_linear.py);
+    # 'auto': int4, else float16, on a CPU in float32, the loaded tensors elsewhere.
     weight_format: str = "auto"
     attention_backend: str | None = None
     kv_cache_bytes: int | None = None

@@ -29,8 +29,8 @@ from gpu_worker.model_config import load_model_config
 from gpu_worker.model_loading import load_model
 from gpu_worker.quantized_linear import (
     INT4_MAX_ROWS,
+    Float16Linear,
     Int4Linear,
-    Int8Linear,
     pack_weights,
     weight_format_of,
 )
@@ -240,17 +240,19 @@ def test_the_traced_forward_uncompiled_is_the_eager_engine(model, monkeypatch):
     _decodes_like_the_eager_engine(model, engine)
 
 
-def test_fbgemm_int8_layers_are_not_compiled(model):
-    """int8 matrices (only fbgemm's packed objects) would break the graph at every matmul."""
+def test_layers_that_are_only_fbgemm_objects_are_not_compiled(model):
+    """A layer matrix the tracer cannot enter (fbgemm's fp16 object without its plain
+    copy) would break the graph at every matmul."""
     first, *others = model.weights.layers
-    packed = dataclasses.replace(first, qkv_proj=Int8Linear.pack(first.qkv_proj))
+    untraceable = Float16Linear.pack(first.qkv_proj, traceable=False)
+    packed = dataclasses.replace(first, qkv_proj=untraceable)
     weights = dataclasses.replace(model.weights, layers=[packed, *others])
-    int8_model = LlamaModel(model.config, weights, model.device, model.dtype)
+    fbgemm_model = LlamaModel(model.config, weights, model.device, model.dtype)
     with capture_logs() as logs:
-        engine = _engine(int8_model, compile_decode=True)
+        engine = _engine(fbgemm_model, compile_decode=True)
     assert not engine.compiles_decode
     (line,) = [entry for entry in logs if entry["event"] == "decode_not_compiled"]
-    assert "int8" in line["reason"]
+    assert line["reason"].startswith("its 1 layer matrices are only fbgemm's packed objects")
 
 
 def test_float16_layers_compile_and_decode_as_their_eager_kernel(
