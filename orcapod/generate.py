@@ -20,6 +20,7 @@ from gpu_worker.local_blocks import step_alone
 from gpu_worker.model_config import ModelLoadError
 from gpu_worker.model_loading import load_model
 from gpu_worker.quantized_linear import weight_format_of
+from shared.log import configure_logging
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import WEIGHT_FORMATS, WorkerSettings, model_location
 
@@ -117,6 +118,8 @@ def _next_plan(step_index: int, pending: list[_Conversation], sampling: Sampling
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``orcapod generate``."""
     args = _parser().parse_args(argv)
+    # Stdout is the answers': warnings only (a format not packed, a path dropped), on stderr.
+    configure_logging("generate", level="warning")
     try:
         sampling = _sampling(args)
         model_dir = model_location(model_dir=args.model).model_dir
