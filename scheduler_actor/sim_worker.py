@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from scheduler_actor.cost_model import CostModel
 from shared.messages import FinishReason, SampledToken, StepOutput, StepPlan
 
+# The step path its outputs name (a real worker's: gpu_worker/step_path.py).
+SIMULATED_PATH = "simulated"
+
 
 class SimulatedWorkerError(AssertionError):
     """A plan broke the worker protocol or the worker's K/V budget."""
@@ -127,6 +130,7 @@ class SimulatedWorker:
             tokens=tokens,
             num_new_tokens=num_new_tokens,
             step_ms=step_s * 1000.0,
+            path=SIMULATED_PATH,
         )
         return output, step_s
 

@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from gpu_worker.device import cpu_has_native_bf16
@@ -173,6 +175,16 @@ def test_up_prints_and_serves_the_actors_metrics(service):
     deadline_s = time.monotonic() + 30
     assert "orcapod:kv_blocks_total" in scrape_families(urls["scheduler"], deadline_s)
     assert "orcapod:step_time_seconds" in scrape_families(urls["worker-0"], deadline_s)
+    # The overlapping chats above took the compiled paths a user's chats take.
+    with urllib.request.urlopen(urls["worker-0"], timeout=5) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    step_paths = {
+        sample.labels["path"]
+        for family in families
+        if family.name == "orcapod:step_time_seconds"
+        for sample in family.samples
+    }
+    assert {"graph[1]", "eager+paged_attention"} <= step_paths, step_paths
     assert "orcapod:time_to_first_token_seconds" in scrape_families(urls["gateway-0"], deadline_s)
 
 

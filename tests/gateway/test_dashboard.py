@@ -42,7 +42,10 @@ SNAPSHOT = LiveSnapshot(
             blocks_cached=0,
             blocks_total=100,
             num_running=2,
-            steps=[StepRecord(7, 2, 48, 1, 1, 0, 3.5), StepRecord(8, 2, 0, 2, 0, 1, None)],
+            steps=[
+                StepRecord(7, 2, 48, 1, 1, 0, 3.5, "graph[1]"),
+                StepRecord(8, 2, 0, 2, 0, 1, None),
+            ],
         )
     ],
     tenants=[
@@ -76,8 +79,9 @@ def test_a_viewer_sees_its_own_name_and_pseudonyms_for_the_others() -> None:
         "num_joined": 1,
         "num_left": 0,
         "step_ms": 3.5,
+        "path": "graph[1]",
     }
-    assert worker["steps"][1]["step_ms"] is None
+    assert worker["steps"][1]["step_ms"] is None and worker["steps"][1]["path"] == ""
 
 
 async def next_frame(socket: ClientConnection) -> Any:

@@ -47,12 +47,27 @@ def parse(text: str) -> Samples:
     return samples
 
 
-def of_worker(samples: Samples, name: str, worker_id: str = WORKER) -> float:
-    return samples[name][(("worker", worker_id),)]
+def of_worker(samples: Samples, name: str, worker_id: str = WORKER, **labels: str) -> float:
+    """The worker's value of ``name``, summed over the labels not given (a step's path)."""
+    wanted = {"worker": worker_id, **labels}
+    return sum(
+        value
+        for sample_labels, value in samples[name].items()
+        if wanted.items() <= dict(sample_labels).items()
+    )
 
 
 def bucket(samples: Samples, name: str, le: str, worker_id: str = WORKER) -> float:
-    return samples[f"{name}_bucket"][(("le", le), ("worker", worker_id))]
+    return of_worker(samples, f"{name}_bucket", worker_id, le=le)
+
+
+def paths(samples: Samples, name: str, worker_id: str = WORKER) -> set[str]:
+    """The ``path`` labels of the worker's samples of ``name``."""
+    return {
+        dict(labels)["path"]
+        for labels in samples[name]
+        if dict(labels).get("worker") == worker_id and "path" in dict(labels)
+    }
 
 
 class FakeClock:
@@ -123,6 +138,8 @@ def test_engine_steps_fill_the_histograms_and_totals(model: LlamaModel) -> None:
     assert of_worker(samples, f"{step_time}_sum", "w") == pytest.approx(sum(step_s))
     assert bucket(samples, step_time, "+Inf", "w") == 5
     assert bucket(samples, step_time, "10.0", "w") == 5  # a tiny model's step is far below 10 s
+    # Labelled by the path each step took (an eager engine: all eager).
+    assert paths(samples, f"{step_time}_count", "w") == {"eager"}
     # Batch sizes 1, 2, 2, 2, 2; new tokens 3, 6, 2, 2, 2.
     assert of_worker(samples, "orcapod:batch_size_count", "w") == 5
     assert of_worker(samples, "orcapod:batch_size_sum", "w") == 9

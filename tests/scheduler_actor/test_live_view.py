@@ -75,8 +75,8 @@ def test_each_plan_and_its_result_is_one_step_record() -> None:
     assert third.released_request_ids == ["a"]
 
     assert view.snapshot(core, 0).workers[0].steps == [
-        StepRecord(first.step_index, 2, 16, 0, 2, 0, first_output.step_ms),
-        StepRecord(second.step_index, 2, 0, 2, 0, 1, second_output.step_ms),
+        StepRecord(first.step_index, 2, 16, 0, 2, 0, first_output.step_ms, "simulated"),
+        StepRecord(second.step_index, 2, 0, 2, 0, 1, second_output.step_ms, "simulated"),
         StepRecord(third.step_index, 1, 4, 0, 1, 1, None),
     ]
     assert first_output.step_ms > 0 and second_output.step_ms > 0
