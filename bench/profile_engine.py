@@ -155,8 +155,11 @@ def instrument(engine: Engine, timer: RegionTimer) -> Callable[[], None]:
     patch(torch, "tensor", "tensor")
     patch(model, "forward", "forward")
     patch(F, "linear", "linear")
-    patch(engine.backend, "attend", "attend")
-    patch(engine.backend, "prepare", "prepare")
+    # The eager forward's backend, and the one whose decodes take the paged attention.
+    for backend in (engine.paths.backend, engine.paths.paged_backend):
+        if backend is not None:
+            patch(backend, "attend", "attend")
+            patch(backend, "prepare", "prepare")
     patch(attention_module, "_index_copy_kv", "kv_store")
     patch(ops, "add_rms_norm", "add_rms_norm")
     patch(ops, "rope_and_store_kv", "rope")
