@@ -232,7 +232,9 @@
     const last = steps[steps.length - 1];
     card.card.dataset.lastStep = String(last.step_index);
     const scale = `scale: ${maxTokens} tokens` + (maxMs > 0 ? `, ${maxMs.toFixed(1)} ms` : "");
-    card.caption.textContent = `last ${describeStep(last)} · ${scale}`;
+    // The newest step whose result is in: its time and the path it took.
+    const done = steps.findLast((step) => typeof step.step_ms === "number") || last;
+    card.caption.textContent = `last ${describeStep(done)} · ${scale}`;
   }
 
   function describeStep(step) {

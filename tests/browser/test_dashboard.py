@@ -159,6 +159,7 @@ def snapshot_frame() -> dict:
         "num_joined": 1,
         "num_left": 0,
         "step_ms": 12.5,
+        "path": "<b>eager</b>",
     }
     return {
         "type": "snapshot",
@@ -173,7 +174,7 @@ def snapshot_frame() -> dict:
                 "blocks_cached": 5,
                 "blocks_total": 100,
                 "num_running": 2,
-                "steps": [step, {**step, "step_index": 8, "step_ms": None}],
+                "steps": [step, {**step, "step_index": 8, "step_ms": None, "path": ""}],
             }
         ],
         "tenants": [
@@ -203,7 +204,10 @@ def test_a_crafted_feed_is_shown_as_text_and_the_banners_say_what_is_wrong(
     expect(page.locator("article.worker .kv-legend")).to_have_text(
         "K/V blocks: 10 used · 5 cached · 85 free of 100"
     )
-    expect(page.locator("article.worker .caption")).to_contain_text("step #8: 2 requests")
+    # The newest step with its result in (step 8 still runs), with its path, as text.
+    caption = page.locator("article.worker .caption")
+    expect(caption).to_contain_text("step #7: 2 requests")
+    expect(caption).to_contain_text("12.5 ms on <b>eager</b>")
     assert page.locator("article.worker .step:not(.empty)").count() == 2
     expect(page.locator("#summary")).to_contain_text("3 waiting")
     assert page.locator("#view img, #view b, #view i").count() == 0
