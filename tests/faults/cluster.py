@@ -86,7 +86,7 @@ class Cluster:
         self._start_actor("scheduler", "scheduler_actor", "--worker-timeout-s=0.5", *extra)
 
     def start_worker(self, worker_id: str) -> None:
-        """One worker on the real model, on the CPU in float32."""
+        """One worker on the real model, on the CPU: fp32 activations, the default weights."""
         self._start_actor(
             worker_id,
             "gpu_worker",
