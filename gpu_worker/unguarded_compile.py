@@ -69,7 +69,7 @@ class UnguardedGraph:
     ) -> None:
         """``function`` (a method of ``bound_to``, if given) takes tensors only;
         ``dynamic`` names the sizes that may change from call to call."""
-        self._compiled = compile_unguarded(function, bound_to)
+        self._compiled = _compile_unguarded(function, bound_to)
         self._dynamic = dynamic or {}
         self.specs: tuple[TensorSpec, ...] | None = None
 
@@ -97,7 +97,7 @@ class UnguardedGraph:
         return tuple(specs)
 
 
-def compile_unguarded(function: Callable[..., Any], bound_to: object | None = None) -> Any:
+def _compile_unguarded(function: Callable[..., Any], bound_to: object | None = None) -> Any:
     """``function`` (a method of ``bound_to``, if given) compiled whole, its shapes
     static but for those marked dynamic at the first call, run without guards: its
     callers must check their inputs (``UnguardedGraph`` does)."""

@@ -220,8 +220,12 @@ def _inputs(num_requests: int, num_blocks: int) -> DecodeInputs:
         (None, None, DecodeInputs(torch.zeros(8, 4), torch.zeros(8, dtype=torch.int64)), "float"),
         (None, None, DecodeInputs(torch.zeros(8, 8, dtype=torch.int64)[:, ::2],
                                   torch.zeros(8, dtype=torch.int64)), "not contiguous"),
+        # Past a dynamic size's range: fewer requests, more blocks than compiled for.
+        (torch.zeros(1, NUM_HEADS, HEAD_DIM), None, _inputs(1, 4), "shape"),
+        (None, None, _inputs(8, 65), "shape"),
     ],
-    ids=["other heads", "other kv heads", "other dtype", "float block ids", "strided block ids"],
+    ids=["other heads", "other kv heads", "other dtype", "float block ids", "strided block ids",
+         "one request", "past max blocks"],
 )  # fmt: skip
 def test_inputs_unlike_the_compiled_ones_are_refused_at_the_boundary(
     kernel, queries, keys, inputs, reason
