@@ -296,6 +296,11 @@ class CompiledDecode:
             return None
         return graph.name
 
+    @property
+    def has_lone_graph(self) -> bool:
+        """Whether a lone request's decodes still take a graph (none dropped it)."""
+        return self._graph_for(1) is not None
+
     def graph_names(self) -> list[str]:
         """The graphs in use, lone first."""
         return [graph.name for graph in self.graphs]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpu_worker.attention import AttentionBackend, SequenceLayout, default_backend_name
+from gpu_worker.attention import AttentionBackend, default_backend_name
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.compiled_decode import CompiledDecode, compiled_decode_or_none
 from gpu_worker.decode_attention import compiled_decode_attention_or_none
@@ -32,7 +32,7 @@ from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budg
 from gpu_worker.llama import LlamaModel
 from gpu_worker.path_probe import probe_step_paths
 from gpu_worker.sampler import SamplingError, sample
-from gpu_worker.step_path import StepInputs, StepRunner
+from gpu_worker.step_path import StepInputs, StepPiece, StepRunner
 from shared.messages import (
     FinishReason,
     RequestFailure,
@@ -141,7 +141,7 @@ class Engine:
     def compiles_decode(self) -> bool:
         """Whether a lone request's decode steps run through a compiled graph (CPU)."""
         runner = self.paths.decode_runner
-        return isinstance(runner, CompiledDecode) and "graph[1]" in runner.graph_names()
+        return isinstance(runner, CompiledDecode) and runner.has_lone_graph
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -377,29 +377,11 @@ class Engine:
 
     def _run(self, works: list[_Work]) -> tuple[list[SampledToken], list[RequestFailure], str]:
         """The step's tokens, its requests that failed, and the name of its path."""
-        cache = self.kv_cache
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        layout: list[SequenceLayout] = []
-        logits_rows: list[int] = []
-        for work in works:
-            request_id = work.request.spec.request_id
-            end = work.start_position + len(work.token_ids)
-            layout.append(
-                SequenceLayout(
-                    query_start=len(token_ids),
-                    num_query_tokens=len(work.token_ids),
-                    num_cached_tokens=work.start_position,
-                    block_table=cache.tables.table(request_id),
-                )
-            )
-            token_ids.extend(work.token_ids)
-            positions.extend(range(work.start_position, end))
-            slots.extend(cache.slot_ids(request_id, work.start_position, end))
-            if work.samples:
-                logits_rows.append(len(token_ids) - 1)
-        inputs = StepInputs(token_ids, positions, slots, layout, logits_rows)
+        pieces = (
+            StepPiece(w.request.spec.request_id, w.token_ids, w.start_position, w.samples)
+            for w in works
+        )
+        inputs = StepInputs.flatten(self.kv_cache, pieces)
         path = self.paths.choose(inputs)
         logits = self.paths.forward(inputs, path)
         for work in works:

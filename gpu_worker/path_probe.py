@@ -16,12 +16,12 @@ eagerly. A wrong path never serves.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import structlog
 import torch
 
-from gpu_worker.attention import SequenceLayout
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.decode_attention import MIN_BLOCKS
 from gpu_worker.step_path import (
@@ -29,6 +29,7 @@ from gpu_worker.step_path import (
     PAGED_ATTENTION_MIN_BLOCKS,
     StepInputs,
     StepPath,
+    StepPiece,
     StepRunner,
 )
 from gpu_worker.unguarded_compile import max_relative_error
@@ -96,25 +97,15 @@ class _Probe:
     def step(self, prefills: list[_ProbeRequest], decodes: list[_ProbeRequest]) -> None:
         """Prompts of ``prefills`` whole, one token of each of ``decodes``: on the
         chosen path, then eagerly; the eager tokens are fed back."""
-        cache = self.runner.kv_cache
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        layout: list[SequenceLayout] = []
-        logits_rows: list[int] = []
         work = [(request, request.prompt_ids) for request in prefills]
         work += [(request, [request.last_token_id]) for request in decodes]
         for request, new_ids in work:
-            start = request.num_cached_tokens
-            end = start + len(new_ids)
-            self.grow(request, end)
-            table = cache.tables.table(request.request_id)
-            layout.append(SequenceLayout(len(token_ids), len(new_ids), start, table))
-            token_ids.extend(new_ids)
-            positions.extend(range(start, end))
-            slots.extend(cache.slot_ids(request.request_id, start, end))
-            logits_rows.append(len(token_ids) - 1)
-        inputs = StepInputs(token_ids, positions, slots, layout, logits_rows)
+            self.grow(request, request.num_cached_tokens + len(new_ids))
+        pieces = [
+            StepPiece(request.request_id, new_ids, request.num_cached_tokens, True)
+            for request, new_ids in work
+        ]
+        inputs = StepInputs.flatten(self.runner.kv_cache, pieces)
         path = self.runner.choose(inputs)
         eager = StepPath()
         if path != eager:
@@ -123,9 +114,10 @@ class _Probe:
         reference = self.runner.forward(inputs, eager)
         if path != eager:
             error = max_relative_error(logits, reference)
-            # NaN stays NaN through max(): it fails every bound.
             previous = self.errors.get(path.name, 0.0)
-            self.errors[path.name] = error if error != error else max(previous, error)
+            # The worst so far; a NaN, once seen, stays (it fails every bound).
+            if math.isnan(error) or not previous >= error:
+                self.errors[path.name] = previous if math.isnan(previous) else error
         for (request, new_ids), row in zip(work, reference.argmax(-1).tolist(), strict=True):
             request.num_cached_tokens += len(new_ids)
             request.last_token_id = int(row)

@@ -13,6 +13,7 @@ its name labels the step's metrics and the dashboard's iteration records.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -127,6 +128,16 @@ def planned_paths(runner: DecodeRunner | None, kernel: CompiledDecodeAttention |
 
 
 @dataclass(frozen=True)
+class StepPiece:
+    """One request's share of a step: new tokens from ``start_position`` on."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    samples: bool  # whether its last token's logits are sampled
+
+
+@dataclass(frozen=True)
 class StepInputs:
     """One step flattened: every request's new tokens in a row, as the forward takes them."""
 
@@ -135,6 +146,28 @@ class StepInputs:
     slots: list[int]
     layout: list[SequenceLayout]
     logits_rows: list[int]  # rows whose next token is sampled
+
+    @classmethod
+    def flatten(cls, kv_cache: PagedKVCache, pieces: Iterable[StepPiece]) -> StepInputs:
+        """Each request's new tokens one after the other, at their positions and slots
+        (its block table in ``kv_cache`` covers them)."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        layout: list[SequenceLayout] = []
+        logits_rows: list[int] = []
+        for piece in pieces:
+            end = piece.start_position + len(piece.token_ids)
+            table = kv_cache.tables.table(piece.request_id)
+            layout.append(
+                SequenceLayout(len(token_ids), len(piece.token_ids), piece.start_position, table)
+            )
+            token_ids.extend(piece.token_ids)
+            positions.extend(range(piece.start_position, end))
+            slots.extend(kv_cache.slot_ids(piece.request_id, piece.start_position, end))
+            if piece.samples:
+                logits_rows.append(len(token_ids) - 1)
+        return cls(token_ids, positions, slots, layout, logits_rows)
 
     @property
     def all_sampled(self) -> bool:
