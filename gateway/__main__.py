@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from gateway.http_log import quiet_malformed_requests
 from gateway.server import GatewayServer
 from gateway.tenants import TenantConfigError
 from gateway.tokenizer import ChatTokenizer
@@ -27,7 +28,9 @@ from shared.settings import (
     default_instance_id,
     env_bool,
     flag_environment_default,
+    int_flag,
     model_location,
+    positive_float,
     redis_settings,
     redis_settings_from_args,
     tenants_file,
@@ -89,8 +92,34 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         "--max-tokenizing",
         type=int,
         default=env("max_tokenizing", DEFAULTS.max_tokenizing, int),
-        help="requests that may wait for the tokenizer threads; more get queue_full "
-        "($ORCAPOD_MAX_TOKENIZING)",
+        help="requests that may wait for (or be on) the tokenizer threads, all tenants "
+        "together; more get queue_full ($ORCAPOD_MAX_TOKENIZING)",
+    )
+    parser.add_argument(
+        "--max-tokenizing-chars",
+        type=int,
+        default=env("max_tokenizing_chars", DEFAULTS.max_tokenizing_chars, int),
+        help="prompt characters that may wait for (or be on) the tokenizer threads, all "
+        "tenants together: the memory they hold; more get queue_full "
+        "($ORCAPOD_MAX_TOKENIZING_CHARS)",
+    )
+    parser.add_argument(
+        "--max-tokenizing-chars-per-tenant",
+        type=int,
+        default=env(
+            "max_tokenizing_chars_per_tenant", DEFAULTS.max_tokenizing_chars_per_tenant, int
+        ),
+        help="a tenant's share of the tokenizer queue, in prompt characters; past it that "
+        "tenant's requests get queue_full, others' are not held up "
+        "($ORCAPOD_MAX_TOKENIZING_CHARS_PER_TENANT)",
+    )
+    parser.add_argument(
+        "--max-refused-chars-per-s",
+        type=float,
+        default=env("max_refused_chars_per_s", DEFAULTS.max_refused_chars_per_s, float),
+        help="a tenant's refused requests are answered no faster than this many characters "
+        "of their prompts a second; the refused socket waits for its turn "
+        "($ORCAPOD_MAX_REFUSED_CHARS_PER_S)",
     )
     parser.add_argument(
         "--max-outbox-bytes",
@@ -106,6 +135,44 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         help="a request with no token for this long ends in an error "
         "($ORCAPOD_REQUEST_STALL_TIMEOUT_S)",
     )
+    # The connection flags' defaults are strings, so argparse checks a value
+    # from the environment as it checks one given on the command line.
+    parser.add_argument(
+        "--idle-timeout-s",
+        type=positive_float,
+        default=env("idle_timeout_s", str(DEFAULTS.idle_timeout_s), str),
+        help="an HTTP connection that sends no request this long after connecting, or "
+        "after its last answer (keep-alive), is closed ($ORCAPOD_IDLE_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=positive_float,
+        default=env("header_timeout_s", str(DEFAULTS.header_timeout_s), str),
+        help="how long a request's headers may take to arrive, from its first byte "
+        "($ORCAPOD_HEADER_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--body-timeout-s",
+        type=positive_float,
+        default=env("body_timeout_s", str(DEFAULTS.body_timeout_s), str),
+        help="how long a request's body may take to arrive, once its headers are in; "
+        "websockets are not held to these timeouts ($ORCAPOD_BODY_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int_flag(0),
+        default=env("max_connections", str(DEFAULTS.max_connections), str),
+        help="open connections (HTTP and websocket); more are answered 503 and closed "
+        "(0: no cap; keep it below ulimit -n) ($ORCAPOD_MAX_CONNECTIONS)",
+    )
+    parser.add_argument(
+        "--max-connections-per-address",
+        type=int_flag(0),
+        default=env("max_connections_per_address", str(DEFAULTS.max_connections_per_address), str),
+        help="open connections from one client address (an IPv6 client's /64); behind a "
+        "reverse proxy or load balancer all clients share its address: raise this or "
+        "pass 0 (no cap) ($ORCAPOD_MAX_CONNECTIONS_PER_ADDRESS)",
+    )
     parser.add_argument(
         "--open",
         action="store_true",
@@ -117,9 +184,17 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         "--allowed-origin",
         action="append",
         dest="allowed_origins",
-        help="an Origin a browser's handshake may come from, e.g. https://chat.example "
-        "(repeatable; default: the Host it connects to; $ORCAPOD_ALLOWED_ORIGINS, "
-        "comma-separated)",
+        help="an Origin a browser's handshake may come from besides the gateway's own, "
+        "e.g. https://chat.example (repeatable; $ORCAPOD_ALLOWED_ORIGINS, comma-separated)",
+    )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        dest="allowed_hosts",
+        help="a name clients reach this gateway by, e.g. llm.example (repeatable; '*': any). "
+        "IP addresses, localhost and this machine's name always pass; the Host header is "
+        "checked on a keyless gateway, and on any once this is given "
+        "($ORCAPOD_ALLOWED_HOSTS, comma-separated)",
     )
     parser.add_argument(
         "--tenants-file",
@@ -143,16 +218,28 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         default_max_queued=args.default_max_queued,
         tokenizer_threads=args.tokenizer_threads,
         max_tokenizing=args.max_tokenizing,
+        max_tokenizing_chars=args.max_tokenizing_chars,
+        max_tokenizing_chars_per_tenant=args.max_tokenizing_chars_per_tenant,
+        max_refused_chars_per_s=args.max_refused_chars_per_s,
         max_outbox_bytes=args.max_outbox_bytes,
         request_stall_timeout_s=args.request_stall_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
         open=args.open,
         allowed_origins=tuple(
-            args.allowed_origins or env("allowed_origins", DEFAULTS.allowed_origins, _origins)
+            args.allowed_origins or env("allowed_origins", DEFAULTS.allowed_origins, _comma_list)
+        ),
+        allowed_hosts=tuple(
+            args.allowed_hosts or env("allowed_hosts", DEFAULTS.allowed_hosts, _comma_list)
         ),
     )
 
 
-def _origins(value: str) -> tuple[str, ...]:
+def _comma_list(value: str) -> tuple[str, ...]:
+    """A comma-separated list (of origins, of host names)."""
     return tuple(origin.strip() for origin in value.split(",") if origin.strip())
 
 
@@ -172,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     settings = parse_settings(argv)
     logger = configure_logging("gateway")
+    quiet_malformed_requests()
     # Every module's logger then names the actor, not just this one.
     structlog.contextvars.bind_contextvars(role="gateway", gateway_id=settings.gateway_id)
     # Host and port only: the URL may hold a password.

@@ -1,5 +1,5 @@
 """What the gateway core asks its shell to do: send a frame, tokenize a
-prompt, post upstream, dead-letter, read or follow a request's log.
+prompt, post upstream, dead-letter, read or follow a request's log, wait.
 
 Plain data, carried out by the shell in the order the core returns them.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tenants import TokenReservation
+from gateway.tenants import Tenant, TokenReservation
 from shared.messages import (
     CancelRequest,
     RequestAdopted,
@@ -31,12 +31,16 @@ class SendFrame:
 
 @dataclass(frozen=True)
 class Tokenize:
-    """Tokenize ``generate`` off the event loop (the tokenizer pool) and hand
-    the result to ``GatewaySession.on_tokenized`` or ``on_tokenize_failed``.
+    """Tokenize ``generate`` off the event loop (the tokenizer pool, in
+    ``tenant``'s queue there) and hand the result to
+    ``GatewaySession.on_tokenized`` or ``on_tokenize_failed``.
     ``request_id`` is reserved meanwhile."""
 
     request_id: str
     generate: Generate
+    tenant: Tenant
+    # The prompt's characters: what tokenizing it costs (validation.num_prompt_chars).
+    num_chars: int
     # The most a null max_tokens resolves to (the tenant's max_tokens_per_request).
     max_tokens_cap: int | None = None
 
@@ -89,4 +93,13 @@ class DeadLetter:
     data: bytes
 
 
-Action = SendFrame | Tokenize | PostUpstream | DeadLetter | LoadLog | FollowLog
+@dataclass(frozen=True)
+class Wait:
+    """Wait ``duration_s`` before the next action: the socket (or HTTP
+    request) that asked reads nothing meanwhile. Paces a tenant's refusals
+    (``gateway/refusal_pacer.py``)."""
+
+    duration_s: float
+
+
+Action = SendFrame | Tokenize | PostUpstream | DeadLetter | LoadLog | FollowLog | Wait

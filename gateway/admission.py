@@ -4,12 +4,15 @@ before the gateway takes it on, and the caps behind them. Pure.
 The caps: draining refuses everything new; a socket holds at most
 ``max_requests_per_socket`` requests; a tenant at most
 ``max_requests_per_tenant`` on this gateway, attached or detached (a client
-that opens and drops sockets cannot pile up requests); at most
-``max_tokenizing`` requests wait for the tokenizer pool; a tenant's
+that opens and drops sockets cannot pile up requests); a tenant's
 ``max_tokens_per_request``; a request that could never fit its tenant's
-tokens per minute; and, applied by the scheduler, ``default_max_queued`` for
-a tenant whose record sets no ``max_queued``. The per-minute budget itself is taken in Redis by the
-shell (``gateway/upstream.py``), the only place all gateways share.
+tokens per minute (judged before tokenizing from a lower bound on its
+tokens, ``validation.min_request_tokens``, and again after); and, applied by
+the scheduler, ``default_max_queued`` for a tenant whose record sets no
+``max_queued``. The per-minute budget itself is taken in Redis by the shell
+(``gateway/upstream.py``), the only place all gateways share. What may wait
+for the tokenizer, per tenant and in all, is the tokenizer queue's to bound
+(``gateway/tokenize_queue.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from shared.messages import TenantLimits
 from shared.protocol import ErrorCode, Generate
 
 SHUTTING_DOWN_MESSAGE = "gateway is shutting down, reconnect elsewhere"
-BUSY_MESSAGE = "gateway busy, retry"
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,6 @@ class AdmissionLimits:
 
     max_requests_per_socket: int = 64
     max_requests_per_tenant: int = 256
-    # Requests whose prompt waits for (or is in) the tokenizer pool.
-    max_tokenizing: int = 64
     # The scheduler's max_queued for a tenant whose record sets none.
     default_max_queued: int | None = 256
 
@@ -82,12 +82,22 @@ class Admission:
                     f"{name} {value} is over tenant {tenant.name!r}'s max_tokens limit of {cap}",
                 )
 
+    def check_tokens_per_minute(self, tenant: Tenant, min_num_tokens: int) -> None:
+        """Raise AdmissionRefused when a request of at least ``min_num_tokens``
+        (prompt + max_tokens, before tokenizing: a lower bound) is more than a
+        whole minute's budget of its tenant: it could never run."""
+        if tenant.tokens_per_minute is not None and min_num_tokens > tenant.tokens_per_minute:
+            raise AdmissionRefused(
+                "invalid_request",
+                f"prompt plus max_tokens is at least {min_num_tokens} tokens, more than "
+                f"tenant {tenant.name!r}'s tokens-per-minute limit of {tenant.tokens_per_minute}",
+            )
+
     def check_capacity(self, table: RequestTable, socket_id: int) -> None:
-        """Raise AdmissionRefused unless a new request may be tokenized now."""
+        """Raise AdmissionRefused unless the socket and its tenant have room for
+        a new request (the tokenizer queue's room is checked when it is queued)."""
         self.check_socket_room(table, socket_id)
         self.check_tenant_room(table, table.socket(socket_id).tenant)
-        if table.num_pending >= self.limits.max_tokenizing:
-            raise AdmissionRefused("queue_full", BUSY_MESSAGE)
 
     def check_socket_room(self, table: RequestTable, socket_id: int) -> None:
         """Raise AdmissionRefused when the socket holds as many requests as it may."""

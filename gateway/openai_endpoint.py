@@ -126,6 +126,12 @@ class Exchange:
             self.outbox.close()
         return fits
 
+    def end_with(self, error: OpenAIError) -> None:
+        """End the response now with ``error`` (once streaming: an error event,
+        then ``[DONE]``); what the core sends later is dropped."""
+        if not self.finished.is_set():
+            self._error(error)
+
     def _error(self, error: OpenAIError) -> bool:
         fits = True
         if self.parsed.stream and self.started.is_set() and self._reply is not None:
@@ -189,12 +195,8 @@ class OpenAIEndpoint:
         try:
             admitted = self._admit(request)
             if self._host.draining:
-                raise OpenAIError(
-                    HTTPStatus.SERVICE_UNAVAILABLE,
-                    "the gateway is shutting down; try another one",
-                    type="server_error",
-                    code="service_unavailable",
-                )
+                raise shutting_down()
+            require_json(request)
             parsed = parse(await self._read_body(request), self.served_model)
             exchange = Exchange(parsed, self.served_model, self._max_outbox_bytes)
             socket_id = self._host.open_exchange(admitted, exchange)
@@ -241,6 +243,8 @@ class OpenAIEndpoint:
             message = refused.body.strip()
             if refused.status == HTTPStatus.UNAUTHORIZED:
                 raise unauthorized(message) from refused
+            if refused.status == HTTPStatus.BAD_REQUEST:
+                raise OpenAIError(refused.status, message) from refused
             raise OpenAIError(refused.status, message, type="permission_error") from refused
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -266,6 +270,32 @@ async def openai_shaped_http_errors(
         status = HTTPStatus(refused.status)
         message = f"{request.method} {request.path}: {status.phrase.lower()}"
         return error_response(OpenAIError(status, message))
+
+
+def shutting_down() -> OpenAIError:
+    """The gateway is draining: a new request is refused, one still running ends."""
+    return OpenAIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        "the gateway is shutting down; try another one",
+        type="server_error",
+        code="service_unavailable",
+    )
+
+
+def require_json(request: web.Request) -> None:
+    """Raise OpenAIError (415) unless the body is declared JSON.
+
+    A page of any site may POST ``text/plain`` (or a form, or an untyped
+    blob) anywhere without asking first; ``application/json`` makes a browser
+    ask (a CORS preflight, which this gateway never grants)."""
+    if request.content_type != "application/json":
+        declared = request.headers.get("Content-Type")
+        raise OpenAIError(
+            HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+            "the request body must be JSON sent as Content-Type: application/json "
+            f"(got {'none' if declared is None else repr(declared)})",
+            code="unsupported_media_type",
+        )
 
 
 def _too_large(limit: int) -> OpenAIError:

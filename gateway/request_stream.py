@@ -68,9 +68,12 @@ class RequestStream:
         stop: Sequence[str],
         accepted_at_s: float,
         min_tokens: int = 0,
+        resumable: bool = True,
     ) -> None:
         self.request_id = request_id
         self.tenant = tenant
+        # False for a request of an HTTP client: nobody else may take its frames.
+        self.resumable = resumable
         # The id of the `generate`; a resume without an id of its own uses it.
         self.original_client_id = client_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -101,6 +104,8 @@ class RequestStream:
         stop: Sequence[str],
         tokenizer: ChatTokenizer,
         accepted_at_s: float,
+        *,
+        resumable: bool = True,
     ) -> RequestStream:
         """The stream of a request as submitted (here, or by the gateway whose
         log this one took over)."""
@@ -114,6 +119,7 @@ class RequestStream:
             stop=stop,
             accepted_at_s=accepted_at_s,
             min_tokens=submit.sampling.min_tokens,
+            resumable=resumable,
         )
 
     @property

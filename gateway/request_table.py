@@ -32,6 +32,8 @@ class SocketEntry:
     tenant: Tenant
     # sha256 of the API key its handshake presented (None: the open tenant).
     key_hash: str | None
+    # False for an HTTP request's virtual socket: its requests cannot be resumed.
+    resumable: bool = True
     requests: dict[str, str] = field(default_factory=dict)
 
 
@@ -70,11 +72,13 @@ class RequestTable:
 
     # --- sockets ---------------------------------------------------------------------
 
-    def open_socket(self, tenant: Tenant, key_hash: str | None) -> int:
+    def open_socket(self, tenant: Tenant, key_hash: str | None, *, resumable: bool = True) -> int:
         """A new socket; returns its id."""
         socket_id = self._next_socket_id
         self._next_socket_id += 1
-        self._sockets[socket_id] = SocketEntry(tenant=tenant, key_hash=key_hash)
+        self._sockets[socket_id] = SocketEntry(
+            tenant=tenant, key_hash=key_hash, resumable=resumable
+        )
         return socket_id
 
     def close_socket(self, socket_id: int) -> tuple[list[RequestStream], list[PendingRequest]]:

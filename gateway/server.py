@@ -35,19 +35,25 @@ from gateway.actions import (
     SendFrame,
     ServerFrame,
     Tokenize,
+    Wait,
 )
 from gateway.admission import AdmissionLimits
+from gateway.connection_guard import ConnectionLimits
 from gateway.dashboard import Pseudonyms, unavailable_frame, view_frame
+from gateway.guarded_site import GuardedSite, track_requests
 from gateway.handshake import SUBPROTOCOL, Admitted, HandshakeRefused, decide
+from gateway.host_guard import host_guard, own_names
 from gateway.live_feed import LiveFeed
 from gateway.log_reader import LogReader
 from gateway.metrics import GatewayMetrics
-from gateway.openai_endpoint import Exchange, OpenAIEndpoint
+from gateway.openai_api import OpenAIError, unauthorized
+from gateway.openai_endpoint import Exchange, OpenAIEndpoint, shutting_down
 from gateway.outbox import OVERFLOW_REASON, Outbox
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tenant_loader import TenantLoader
 from gateway.tenants import OPEN_TENANT, Tenant, UnprotectedHostError, is_loopback_host
 from gateway.token_channel import TokenChannel
+from gateway.tokenize_queue import TokenizeQueueLimits, TokenizerQueueFull
 from gateway.tokenizer import ChatTokenizer
 from gateway.tokenizer_pool import TokenizerPool
 from gateway.upstream import UpstreamWriter
@@ -110,11 +116,11 @@ class GatewayServer:
                 admission=AdmissionLimits(
                     max_requests_per_socket=settings.max_requests_per_socket,
                     max_requests_per_tenant=settings.max_requests_per_tenant,
-                    max_tokenizing=settings.max_tokenizing,
                     default_max_queued=settings.default_max_queued,
                 ),
                 detach_grace_s=settings.detach_grace_s,
                 stall_timeout_s=settings.request_stall_timeout_s,
+                max_refused_chars_per_s=settings.max_refused_chars_per_s,
             ),
             tokenizer,
             limits,
@@ -155,7 +161,16 @@ class GatewayServer:
             self._on_gateway_message,
             lambda: self._logs.catch_up(self._readers_stop),
         )
-        self._pool = TokenizerPool(tokenizer, limits, settings.tokenizer_threads)
+        self._pool = TokenizerPool(
+            tokenizer,
+            limits,
+            settings.tokenizer_threads,
+            TokenizeQueueLimits(
+                max_jobs=settings.max_tokenizing,
+                max_chars=settings.max_tokenizing_chars,
+                max_chars_per_tenant=settings.max_tokenizing_chars_per_tenant,
+            ),
+        )
         self.listening = asyncio.Event()
         self.port: int | None = None
 
@@ -210,7 +225,17 @@ class GatewayServer:
             logger.info("gateway stopped")
 
     async def _serve(self, stop: asyncio.Event) -> None:
-        app = web.Application(client_max_size=self.settings.max_frame_bytes)
+        app = web.Application(
+            client_max_size=self.settings.max_frame_bytes,
+            middlewares=[
+                track_requests,
+                host_guard(
+                    lambda: self._open_tenant is not None,
+                    own_names(self.settings.host),
+                    self.settings.allowed_hosts,
+                ),
+            ],
+        )
         app.router.add_get(WS_PATH, self._websocket)
         app.router.add_get(DASHBOARD_WS_PATH, self._dashboard_socket)
         app.router.add_get("/", _page("chat.html"))
@@ -221,16 +246,25 @@ class GatewayServer:
         app.router.add_get(METRICS_PATH, metrics_handler(self.metrics.registry))
         self._openai.add_routes(app)
         # handler_cancellation: a client that goes away cancels its handler at
-        # once, and with it its request.
+        # once, and with it its request. The connections' own settings (no
+        # access log, the guard's timeouts) are the site's.
         runner = web.AppRunner(
             app,
             handler_cancellation=True,
-            access_log=None,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        settings = self.settings
+        limits = ConnectionLimits(
+            idle_timeout_s=settings.idle_timeout_s,
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            max_connections=settings.max_connections,
+            max_connections_per_address=settings.max_connections_per_address,
+            max_body_bytes=settings.max_frame_bytes,
         )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.settings.host, self.settings.port)
+            site = GuardedSite(runner, settings.host, settings.port, limits)
             await site.start()
             self.port = int(runner.addresses[0][1])
             logger.info(
@@ -246,7 +280,7 @@ class GatewayServer:
             # Cancels the handlers still running: their requests are cancelled upstream.
             await runner.cleanup()
 
-    async def _drain(self, site: web.TCPSite) -> None:
+    async def _drain(self, site: web.BaseSite) -> None:
         """Stop listening and refuse new requests; wait (at most the drain timeout)
         for the requests in flight and their last frames; then close every socket."""
         # Open connections stay open; a request on one now gets a 503.
@@ -261,6 +295,13 @@ class GatewayServer:
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + self.settings.drain_timeout_s
         while self._has_unsent_work() and loop.time() < deadline_s:
+            await asyncio.sleep(DRAIN_POLL_S)
+        # An HTTP response still running ends with an error (an error event and
+        # [DONE] once streaming), not with a cut its client cannot tell from a
+        # network fault; it gets a moment to send it.
+        self._end_exchanges(shutting_down, lambda socket_id: True)
+        deadline_s = loop.time() + SHUTDOWN_TIMEOUT_S
+        while self._has_unsent_frames() and loop.time() < deadline_s:
             await asyncio.sleep(DRAIN_POLL_S)
         # A writer that just took the last frame from its outbox sends it now.
         await asyncio.sleep(0)
@@ -277,9 +318,19 @@ class GatewayServer:
 
     def _has_unsent_work(self) -> bool:
         """Requests in flight, or frames not yet handed to their connection."""
-        return self._session.num_live_requests > 0 or any(
-            not sink.outbox.is_empty for sink in self._sinks.values()
-        )
+        return self._session.num_live_requests > 0 or self._has_unsent_frames()
+
+    def _has_unsent_frames(self) -> bool:
+        return any(not sink.outbox.is_empty for sink in self._sinks.values())
+
+    def _end_exchanges(
+        self, error: Callable[[], OpenAIError], which: Callable[[int], bool]
+    ) -> None:
+        """End each HTTP response whose virtual socket is ``which`` with
+        ``error()``; its handler then cancels what still runs."""
+        for socket_id, sink in self._sinks.items():
+            if isinstance(sink, Exchange) and which(socket_id):
+                sink.end_with(error())
 
     # --- HTTP ------------------------------------------------------------------------
 
@@ -313,7 +364,7 @@ class GatewayServer:
     # --- OpenAI requests: one virtual socket each --------------------------------------
 
     def open_exchange(self, admitted: Admitted, exchange: Exchange) -> int:
-        socket_id = self._session.connect(admitted.tenant, admitted.key_hash)
+        socket_id = self._session.connect(admitted.tenant, admitted.key_hash, resumable=False)
         self._sinks[socket_id] = exchange
         return socket_id
 
@@ -473,6 +524,10 @@ class GatewayServer:
                 await self._logs.load(action)
             elif isinstance(action, FollowLog):
                 self._logs.follow(action)
+            elif isinstance(action, Wait):
+                # Awaited by the reader of the socket (or HTTP request) that
+                # was refused: it reads nothing meanwhile.
+                await asyncio.sleep(action.duration_s)
 
     def _send(self, action: SendFrame) -> None:
         sink = self._sinks.get(action.socket_id)
@@ -491,9 +546,21 @@ class GatewayServer:
     async def _tokenize(self, action: Tokenize) -> None:
         """One tokenizer job on a pool thread; its result goes to the core."""
         try:
-            validated = await self._pool.tokenize(action.generate, action.max_tokens_cap)
+            validated = await self._pool.tokenize(
+                action.generate,
+                action.tenant.name,
+                action.num_chars,
+                action.tenant.weight,
+                action.max_tokens_cap,
+            )
+        except TokenizerQueueFull as full:
+            actions = self._session.on_tokenize_failed(
+                action.request_id, "queue_full", full.message, action.num_chars
+            )
         except RequestValidationError as error:
-            actions = self._session.on_tokenize_failed(action.request_id, error.code, error.message)
+            actions = self._session.on_tokenize_failed(
+                action.request_id, error.code, error.message, action.num_chars
+            )
         except Exception:
             logger.exception("tokenizing failed", request_id=action.request_id)
             actions = self._session.on_tokenize_failed(
@@ -555,6 +622,7 @@ class GatewayServer:
         revoked = self._session.table.sockets_without_key(valid)
         if revoked:
             logger.info("closing the sockets of revoked keys", num_sockets=len(revoked))
+        self._end_exchanges(lambda: unauthorized(REVOKED_REASON), set(revoked).__contains__)
         dashboards = [
             socket
             for socket, key_hash in self._dashboards.items()

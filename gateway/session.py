@@ -26,6 +26,7 @@ from gateway.actions import (
     PostUpstream,
     SendFrame,
     Tokenize,
+    Wait,
 )
 from gateway.admission import (
     SHUTTING_DOWN_MESSAGE,
@@ -34,6 +35,7 @@ from gateway.admission import (
     AdmissionRefused,
 )
 from gateway.frames import error_frames, stream_frames
+from gateway.refusal_pacer import RefusalPacer
 from gateway.request_stream import RequestStream
 from gateway.request_table import PendingRequest, RequestTable, Route
 from gateway.service_feed import LOG_SOURCE, ServiceFeed, cancel_upstream, known_code
@@ -44,6 +46,8 @@ from gateway.validation import (
     RequestValidationError,
     ValidatedRequest,
     check_generate,
+    min_request_tokens,
+    num_prompt_chars,
 )
 from shared.messages import (
     CancelRequest,
@@ -69,6 +73,9 @@ __all__ = ["SHUTTING_DOWN_MESSAGE", "GatewaySession", "SessionConfig"]
 
 logger = structlog.get_logger(__name__)
 
+# A refusal held back for less is answered at once.
+MIN_WAIT_S = 0.001
+
 
 @dataclass(frozen=True)
 class SessionConfig:
@@ -87,6 +94,9 @@ class SessionConfig:
     # A request without a token (or its end) this long since it was accepted
     # or since its last token ends in an error: nothing lost waits forever.
     stall_timeout_s: float = 300.0
+    # A tenant's refused generates are answered no faster than this many
+    # characters of their prompts a second (gateway/refusal_pacer.py).
+    max_refused_chars_per_s: float = 2_000_000.0
 
 
 class _ClientIdProbe(msgspec.Struct):
@@ -114,6 +124,7 @@ class GatewaySession:
         self.table = RequestTable(config.retention_s, clock)
         self.feed = ServiceFeed(self.table, limits.vocab_size, clock)
         self._admission = Admission(config.admission)
+        self._refusals = RefusalPacer(config.max_refused_chars_per_s)
 
     @property
     def num_sockets(self) -> int:
@@ -148,11 +159,16 @@ class GatewaySession:
 
     # --- sockets ---------------------------------------------------------------------
 
-    def connect(self, tenant: Tenant | None = None, key_hash: str | None = None) -> int:
+    def connect(
+        self, tenant: Tenant | None = None, key_hash: str | None = None, *, resumable: bool = True
+    ) -> int:
         """A socket of ``tenant`` opened (default: the open tenant of the config),
         with the API key of sha256 ``key_hash``; returns the id the other calls
-        name it by."""
-        return self.table.open_socket(tenant or Tenant(name=self.config.tenant), key_hash)
+        name it by. The requests of a socket that is not ``resumable`` (an HTTP
+        request's) can never be resumed, by anyone."""
+        return self.table.open_socket(
+            tenant or Tenant(name=self.config.tenant), key_hash, resumable=resumable
+        )
 
     def disconnect(self, socket_id: int, *, resumable: bool = True) -> list[Action]:
         """A socket closed: its live requests keep running for ``detach_grace_s``,
@@ -245,17 +261,34 @@ class GatewaySession:
     # --- a generate: checked, tokenized off the loop, then submitted -----------------
 
     def _generate(self, socket_id: int, generate: Generate) -> list[Action]:
-        # What can never succeed is said before what may succeed later (the caps).
+        # What can never succeed is said before what may succeed later (the caps);
+        # a prompt certainly too long, from its bytes, before it is tokenized.
+        tenant = self.table.socket(socket_id).tenant
         try:
             self._admission.check_generate(self.table, socket_id, generate)
             check_generate(generate, self._limits)
+            min_num_tokens = min_request_tokens(
+                generate, self._tokenizer, self._limits, tenant.max_tokens_per_request
+            )
+            self._admission.check_tokens_per_minute(tenant, min_num_tokens)
             self._admission.check_capacity(self.table, socket_id)
         except (AdmissionRefused, RequestValidationError) as refused:
-            return error_frames(socket_id, refused.code, refused.message, generate.id)
+            return self._paced(
+                tenant,
+                num_prompt_chars(generate),
+                error_frames(socket_id, refused.code, refused.message, generate.id),
+            )
         request_id = self._new_request_id()
-        tenant = self.table.socket(socket_id).tenant
         self.table.reserve(PendingRequest(request_id, tenant, Route(socket_id, generate.id)))
-        return [Tokenize(request_id, generate, tenant.max_tokens_per_request)]
+        return [
+            Tokenize(
+                request_id,
+                generate,
+                tenant,
+                num_chars=num_prompt_chars(generate),
+                max_tokens_cap=tenant.max_tokens_per_request,
+            )
+        ]
 
     def on_tokenized(
         self, request_id: str, generate: Generate, validated: ValidatedRequest
@@ -282,25 +315,37 @@ class GatewaySession:
             sampling=validated.sampling,
             limits=self._admission.scheduler_limits(tenant),
         )
+        resumable = self.table.socket(socket_id).resumable
         stream = RequestStream.of_submit(
-            submit, client_id, generate.stop, self._tokenizer, self._clock()
+            submit, client_id, generate.stop, self._tokenizer, self._clock(), resumable=resumable
         )
         self.table.add(stream, pending.route)
         # `accepted` first: a later `error` for the id (submit failed, scheduler
         # refused) then reads as the end of an accepted request, like `done`.
-        record = RequestRecord(submit=submit, client_id=client_id, stop=list(generate.stop))
+        record = RequestRecord(
+            submit=submit, client_id=client_id, stop=list(generate.stop), resumable=resumable
+        )
         return [
             SendFrame(socket_id, Accepted(id=client_id, request_id=request_id)),
             PostUpstream(submit, log_entry=record, reservation=reservation),
         ]
 
-    def on_tokenize_failed(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:
-        """The prompt of pending ``request_id`` was refused (too long, a bad
-        template) or could not be tokenized now (``queue_full``)."""
+    def on_tokenize_failed(
+        self, request_id: str, code: ErrorCode, message: str, num_chars: int = 0
+    ) -> list[Action]:
+        """The prompt of pending ``request_id`` (``num_chars`` characters) was
+        refused (too long, a bad template) or could not be tokenized now
+        (``queue_full``): refused as paced, unless the fault is the gateway's."""
         pending = self.table.take_pending(request_id)
         if pending is None:
             return []
-        return error_frames(pending.route.socket_id, code, message, pending.route.client_id)
+        frames = error_frames(pending.route.socket_id, code, message, pending.route.client_id)
+        return frames if code == "internal" else self._paced(pending.tenant, num_chars, frames)
+
+    def _paced(self, tenant: Tenant, num_chars: int, refusal: list[Action]) -> list[Action]:
+        """``refusal`` held back while the tenant's earlier refusals are paid for."""
+        delay_s = self._refusals.delay_s(tenant.name, num_chars, self._clock())
+        return refusal if delay_s < MIN_WAIT_S else [Wait(delay_s), *refusal]
 
     def on_submit_refused(self, request_id: str, code: ErrorCode, message: str) -> list[Action]:
         """The shell did not post the SubmitRequest (the tenant's tokens per
@@ -352,6 +397,8 @@ class GatewaySession:
         if stream.tenant != self.table.socket(socket_id).tenant.name:
             # Answered exactly like an unknown id: another tenant's request never shows.
             return self._unknown_request(socket_id, resume)
+        if not stream.resumable:
+            return self._not_resumable(socket_id, resume)
         client_id = resume.id if resume.id is not None else stream.original_client_id
         if not stream.finished:
             refusal = self._attach(socket_id, stream, client_id)
@@ -380,6 +427,15 @@ class GatewaySession:
         logger.info("request resumed", request_id=stream.request_id)
         return None
 
+    def _not_resumable(self, socket_id: int, resume: Resume) -> list[Action]:
+        return error_frames(
+            socket_id,
+            "invalid_request",
+            f"request {resume.request_id!r} came over HTTP: its tokens go only to its "
+            "HTTP response (only requests made on a websocket can be resumed)",
+            resume.id,
+        )
+
     def _unknown_request(self, socket_id: int, resume: Resume) -> list[Action]:
         return error_frames(
             socket_id,
@@ -402,6 +458,8 @@ class GatewaySession:
         tenant = self.table.socket(socket_id).tenant
         if log is None or log.record.submit.tenant != tenant.name:
             return self._unknown_request(socket_id, resume)
+        if not log.record.resumable:
+            return self._not_resumable(socket_id, resume)
         if log.failure is not None:
             # Ended with an error: the tokens it got after `after_seq`, then the error.
             client_id = resume.id if resume.id is not None else log.record.client_id
@@ -437,7 +495,12 @@ class GatewaySession:
         """The request's stream rebuilt from its log: its record, then its tokens."""
         record = log.record
         stream = RequestStream.of_submit(
-            record.submit, record.client_id, record.stop, self._tokenizer, now_s
+            record.submit,
+            record.client_id,
+            record.stop,
+            self._tokenizer,
+            now_s,
+            resumable=record.resumable,
         )
         for token in log.sampled_tokens():
             stream.add(token, now_s)

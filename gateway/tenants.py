@@ -175,15 +175,10 @@ def parse_tenants_toml(text: str, source: str = "tenants file") -> TenantTable:
         ) from error
     by_hash: dict[str, Tenant] = {}
     for name, entry in parsed.tenants.items():
-        tenant = Tenant(
-            name=name,
-            weight=float(entry.weight),
-            max_queued=entry.max_queued,
-            max_in_flight=entry.max_in_flight,
-            max_tokens_per_request=entry.max_tokens_per_request,
-            tokens_per_minute=entry.tokens_per_minute,
-            operator=entry.operator,
-        )
+        # Every quota the file may set, by the one definition of them (a field
+        # copied by hand was once left out: cache_group).
+        quotas = {field: getattr(entry, field) for field in TenantQuotas.__struct_fields__}
+        tenant = Tenant(name=name, **quotas)
         for digest in entry.key_sha256:
             digest = digest.lower()
             holder = by_hash.get(digest)
@@ -205,6 +200,8 @@ def tenant_toml(tenant: Tenant, key_hashes: Iterable[str]) -> str:
             lines.append(f"{field} = {value}")
     if tenant.operator:
         lines.append("operator = true")
+    if tenant.cache_group is not None:
+        lines.append(f'cache_group = "{tenant.cache_group}"')
     lines.append("key_sha256 = [" + ", ".join(f'"{h}"' for h in key_hashes) + "]")
     return "\n".join(lines) + "\n"
 

@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         help="its keys see every tenant's name on the dashboard",
     )
     add.add_argument(
+        "--cache-group",
+        help="tenants naming the same group share their cached prompt prefixes "
+        "(letters, digits, _ . -)",
+    )
+    add.add_argument(
         "--toml", action="store_true", help="print a tenants-file section instead of using Redis"
     )
     add_redis_arguments(add)
@@ -106,8 +111,16 @@ def _tenant(args: argparse.Namespace, current: Tenant | None) -> Tenant:
     try:
         # Converted, not constructed: the same checks as when a gateway reads it.
         operator = args.operator or (current.operator if current else False)
+        cache_group = args.cache_group or (current.cache_group if current else None)
         return msgspec.convert(
-            {"name": args.tenant, "weight": weight, "operator": operator, **values}, Tenant
+            {
+                "name": args.tenant,
+                "weight": weight,
+                "operator": operator,
+                "cache_group": cache_group,
+                **values,
+            },
+            Tenant,
         )
     except msgspec.ValidationError as error:
         raise TenantConfigError(str(error)) from error

@@ -21,6 +21,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding, Tokenizer
 
+from gateway.token_bound import TokenCountBound
+
 TOKENIZER_FILE_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"
 
@@ -80,6 +82,11 @@ class ChatTokenizer:
             None if self.eos_token is None else tokenizer.token_to_id(self.eos_token)
         )
         self.stop_token_ids: frozenset[int] = frozenset(self._find_stop_token_ids())
+        # A lower bound on a prompt's tokens from its bytes (gateway/token_bound.py;
+        # None: none holds for this tokenizer), and the roles whose contents the
+        # bound may count in a chat (those the template surely writes out).
+        self.token_bound = TokenCountBound.of(tokenizer)
+        self.roles_in_prompt: frozenset[str] = self._roles_written_out()
 
     @classmethod
     def from_model_dir(cls, model_dir: Path | str) -> ChatTokenizer:
@@ -227,6 +234,30 @@ class ChatTokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of one vocabulary entry, or None when absent."""
         return self._tokenizer.token_to_id(token)
+
+    def min_num_tokens(self, texts: Iterable[str]) -> int:
+        """At most the number of tokens of a prompt holding each of ``texts`` as
+        disjoint parts (0 when this tokenizer has no bound)."""
+        return 0 if self.token_bound is None else self.token_bound.min_num_tokens(texts)
+
+    def _roles_written_out(self) -> frozenset[str]:
+        """The roles of a probe conversation whose contents, less the whitespace
+        around them (templates often trim), all appear in the rendered prompt;
+        none when the template fails on it or drops one. A content's bytes then
+        surely reach the tokenizer, so a chat's bound may count them."""
+        nonce = secrets.token_hex(8)
+        roles = ("system", "user", "assistant", "user")
+        probe = [
+            {"role": role, "content": f" probe-{nonce}-{index} "}
+            for index, role in enumerate(roles)
+        ]
+        try:
+            rendered = self.apply_chat_template(probe, add_generation_prompt=True)
+        except ChatTemplateError:
+            return frozenset()
+        if all(message["content"].strip() in rendered for message in probe):
+            return frozenset(roles)
+        return frozenset()
 
     def _find_stop_token_ids(self) -> Iterable[int]:
         if self.eos_token_id is not None:

@@ -4,9 +4,10 @@ Pure: the tokenizer and the limits are passed in. Every check that can fail
 raises :class:`RequestValidationError` carrying the protocol error code, so the
 caller only has to turn it into an ``error`` frame. Two steps, so the caller can
 run the second off its event loop: :func:`check_generate` (cheap, bounded by
-the frame: sizes, counts, ranges) and :func:`tokenize_generate` (chat template
-and tokenizer, over at most ``max_prompt_chars`` characters; then the prompt's
-length settles a ``null`` max_tokens).
+the frame: sizes, counts, ranges) with :func:`min_request_tokens` (a lower
+bound on the tokens, from the prompt's bytes), and :func:`tokenize_generate`
+(chat template and tokenizer, over at most ``max_prompt_chars`` characters;
+then the prompt's length settles a ``null`` max_tokens).
 """
 
 from __future__ import annotations
@@ -97,6 +98,67 @@ def check_generate(generate: Generate, limits: ModelLimits) -> None:
     _check_prompt_form(generate, limits)
     _check_sampling(generate, limits)
     _check_stop(generate.stop, limits.protocol)
+
+
+def num_prompt_chars(generate: Generate) -> int:
+    """The characters of the prompt the tokenizer reads (the contents of
+    ``messages``, or ``prompt``; none for ``prompt_token_ids``): what
+    tokenizing it costs."""
+    if generate.messages is not None:
+        return sum(len(message.content) for message in generate.messages)
+    return len(generate.prompt or "")
+
+
+def min_request_tokens(
+    generate: Generate,
+    tokenizer: ChatTokenizer,
+    limits: ModelLimits,
+    max_tokens_cap: int | None = None,
+) -> int:
+    """A lower bound on the prompt tokens plus max_tokens ``generate`` comes to
+    once tokenized (what its tenant's tokens per minute must hold), from the
+    prompt's bytes alone (``ChatTokenizer.min_num_tokens``: cheap enough for
+    the event loop); raises ``prompt_too_long`` when no prompt that long
+    leaves the room it asks for in the context. Call after :func:`check_generate`."""
+    num_prompt_tokens = _min_prompt_tokens(generate, tokenizer)
+    context = limits.context_tokens
+    if generate.max_tokens is not None:
+        num_tokens = num_prompt_tokens + generate.max_tokens
+        if num_tokens > context:
+            raise RequestValidationError(
+                "prompt_too_long",
+                f"the prompt has at least {num_prompt_tokens} tokens (judged before "
+                f"tokenizing it); with max_tokens {generate.max_tokens} that is at least "
+                f"{num_tokens}, over the model's context of {context}",
+            )
+        return num_tokens
+    num_generated = max(generate.min_tokens, 1)
+    if num_prompt_tokens + num_generated > context:
+        raise RequestValidationError(
+            "prompt_too_long",
+            f"the prompt has at least {num_prompt_tokens} tokens (judged before "
+            f"tokenizing it), which leaves room for at most {max(context - num_prompt_tokens, 0)} "
+            f"more in the model's context of {context}; the request generates at least "
+            f"{num_generated}",
+        )
+    # A null max_tokens takes what the context leaves, up to the caps
+    # (_resolve_max_tokens): prompt plus it grows with the prompt.
+    cap = limits.max_tokens_limit if max_tokens_cap is None else max_tokens_cap
+    return min(context, num_prompt_tokens + min(limits.max_tokens_limit, cap))
+
+
+def _min_prompt_tokens(generate: Generate, tokenizer: ChatTokenizer) -> int:
+    if generate.prompt_token_ids is not None:
+        return len(generate.prompt_token_ids)
+    if generate.prompt is not None:
+        return tokenizer.min_num_tokens([generate.prompt])
+    # Only the contents the template surely writes out count, less the
+    # whitespace around them (a template may trim it).
+    return tokenizer.min_num_tokens(
+        message.content.strip()
+        for message in generate.messages or []
+        if message.role in tokenizer.roles_in_prompt
+    )
 
 
 def tokenize_generate(

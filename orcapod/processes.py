@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 _PR_SET_PDEATHSIG = 1
@@ -122,6 +122,38 @@ class RestartBackoff:
         delay_s = self._delay_s
         self._delay_s = min(delay_s * 2, policy.max_delay_s)
         return delay_s
+
+
+def restart_exited(
+    children: list[Child],
+    backoffs: dict[str, RestartBackoff],
+    restart_at_s: dict[str, float],
+    restart: Callable[[Child], None] = restart_child,
+) -> None:
+    """Schedule a restart of each child that exited (one line each) and start
+    those whose delay is over with ``restart``; raises CrashLoopError (naming
+    the child) for a child that keeps exiting, and whatever ``restart`` raises."""
+    now_s = time.monotonic()
+    for child in children:
+        due_s = restart_at_s.get(child.name)
+        if due_s is not None:
+            if now_s >= due_s:
+                del restart_at_s[child.name]
+                restart(child)
+            continue
+        if child.process.poll() is None:
+            continue
+        try:
+            delay_s = backoffs[child.name].next_delay_s(now_s, now_s - child.started_s)
+        except CrashLoopError as error:
+            raise CrashLoopError(f"{child.name} keeps exiting: {error}") from error
+        restart_at_s[child.name] = now_s + delay_s
+        print(
+            f"orcapod up: {child.name} exited with code {child.process.returncode}; "
+            f"restarting it in {delay_s:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -6,11 +6,13 @@ line names its role (``python -m gpu_worker --worker-id worker-0``); gateway
 i listens on port + i; the scheduler and each worker serve Prometheus metrics
 on a free loopback port (a gateway on its own port). Prints the URLs once a
 gateway reports healthy.
-Ctrl-C or SIGTERM stops everything in order and leaves no process behind.
-A scheduler, worker or gateway that exits on its own is started again under
-the same name (``RestartPolicy``: 0.5 s doubling to 10 s, reset after 60 s of
-running); only the embedded redis-server exiting, or a child restarted more
-than 5 times within 60 s, stops the service.
+Ctrl-C, SIGTERM or SIGHUP stops everything in order and leaves no process
+and no data folder behind (a folder left by a killed launcher goes at the next
+start). A scheduler, worker, gateway or embedded redis-server that exits on its
+own is started again under the same name (``RestartPolicy``: 0.5 s doubling to
+10 s, reset after 60 s of running), redis-server on the same port, password
+and data (its append-only file); a child restarted more than 5 times within
+60 s, or a redis-server that cannot come back on its port, stops the service.
 Without any API key (a tenants file, or keys in an external Redis) the
 gateways serve one open tenant, so they may listen on loopback only.
 """
@@ -18,6 +20,7 @@ gateways serve one open tenant, so they may listen on loopback only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
@@ -38,9 +41,12 @@ from gateway.tenants import (
 )
 from orcapod.embedded_redis import (
     DEFAULT_MAXMEMORY,
+    EmbeddedRedis,
     EmbeddedRedisError,
     free_loopback_port,
     remove_data,
+    remove_stale_data_dirs,
+    restart_embedded_redis,
     start_embedded_redis,
 )
 from orcapod.processes import (
@@ -51,6 +57,7 @@ from orcapod.processes import (
     environment_with,
     python_module,
     restart_child,
+    restart_exited,
     start_child,
     stop_children,
     stop_together,
@@ -188,77 +195,45 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _restart_exited(
-    children: list[Child], backoffs: dict[str, RestartBackoff], restart_at_s: dict[str, float]
-) -> None:
-    """Schedule a restart of each child that exited (one line each) and start
-    those whose delay is over; raises CrashLoopError (naming the child) for a
-    child that keeps exiting."""
-    now_s = time.monotonic()
-    for child in children:
-        due_s = restart_at_s.get(child.name)
-        if due_s is not None:
-            if now_s >= due_s:
-                del restart_at_s[child.name]
-                restart_child(child)
-            continue
-        if child.process.poll() is None:
-            continue
-        try:
-            delay_s = backoffs[child.name].next_delay_s(now_s, now_s - child.started_s)
-        except CrashLoopError as error:
-            raise CrashLoopError(f"{child.name} keeps exiting: {error}") from error
-        restart_at_s[child.name] = now_s + delay_s
+def _print_ready(args: argparse.Namespace, model_dir: str, metrics_ports: list[int]) -> None:
+    print("orcapod is ready:", flush=True)
+    for i in range(args.gateways):
+        root = f"http://{args.host}:{args.port + i}"
         print(
-            f"orcapod up: {child.name} exited with code {child.process.returncode}; "
-            f"restarting it in {delay_s:g} s",
-            file=sys.stderr,
+            f"  ws://{args.host}:{args.port + i}/ws   OpenAI API: {root}/v1   "
+            f"(health: {root}/health)",
             flush=True,
         )
+    print(f"  policy {args.policy}, {args.workers} worker(s), model {model_dir}")
+    gateway_ports = [args.port + i for i in range(args.gateways)]
+    for line in metrics_lines(metrics_ports[0], metrics_ports[1:], args.host, gateway_ports):
+        print(line)
+    page = f"http://{args.host}:{args.port}"
+    print(f"  chat in the browser: {page}/   the scheduler, live: {page}/dashboard")
+    print(
+        "  chat with: orcapod chat --url "
+        f"ws://{args.host}:{args.port}/ws   (Ctrl-C here stops everything)",
+        flush=True,
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``orcapod up``."""
-    args = _parser().parse_args(argv)
-    if args.workers < 1 or args.gateways < 1:
-        print("orcapod up: --workers and --gateways must be >= 1", file=sys.stderr)
-        return 2
-    tenants_path = tenants_file(args.tenants_file)
-    try:
-        num_keys = _num_keys(args.host, tenants_path, redis_url_from_environment())
-        print(exposure_line(args.host, num_keys), flush=True)
-    except TenantConfigError as error:
-        print(f"orcapod up: {error}", file=sys.stderr)
-        return 2
-    except (RedisError, OSError) as error:
-        print(f"orcapod up: cannot count the API keys in Redis: {error}", file=sys.stderr)
-        return 1
+def _serve(
+    args: argparse.Namespace,
+    model_dir: str,
+    redis_url: str,
+    tenants_path: Path | None,
+    embedded: EmbeddedRedis | None,
+    stopping: threading.Event,
+) -> int:
+    """Start the scheduler, the workers and the gateways, restart whichever
+    exits (the embedded redis-server too) until ``stopping`` is set or a child
+    cannot be restarted, then stop the actors in order; the exit code."""
     tenants_args = ["--tenants-file", str(tenants_path)] if tenants_path else []
-    stopping = threading.Event()
-
-    def request_stop(signum: int, _frame: FrameType | None) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-
-    model_dir = _ensure_model(args.model)
-    redis_url = redis_url_from_environment()
-    embedded = None
-    if redis_url is None:
-        try:
-            embedded = start_embedded_redis(maxmemory=args.redis_maxmemory)
-        except EmbeddedRedisError as error:
-            print(f"orcapod up: {error}", file=sys.stderr)
-            return 1
-        redis_url = embedded.url
-        print(f"embedded redis-server on {redis_url.split('@')[-1]} (password protected)")
     env = environment_with(REDIS_URL=redis_url)
     gateway_ports = [args.port + i for i in range(args.gateways)]
     # Chosen once: a restarted actor keeps its command line, so its port too.
-    scheduler_metrics_port, *worker_metrics_ports = free_metrics_ports(
-        1 + args.workers, set(gateway_ports)
-    )
+    metrics_ports = free_metrics_ports(1 + args.workers, set(gateway_ports))
+    scheduler_metrics_port, *worker_metrics_ports = metrics_ports
 
     scheduler = start_child(
         "scheduler",
@@ -309,14 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i in range(args.gateways)
     ]
-    # Stop order: stop accepting first, then the work, then the store.
-    stop_order: list[Child] = [*gateways, *workers, scheduler]
-    if embedded is not None:
-        stop_order.append(embedded.child)
-
-    supervised = [scheduler, *workers, *gateways]
+    # Redis first: every actor waits on it.
+    supervised = [*([embedded.child] if embedded else []), scheduler, *workers, *gateways]
     backoffs = {child.name: RestartBackoff(RESTART_POLICY) for child in supervised}
     restart_at_s: dict[str, float] = {}
+
+    def restart(child: Child) -> None:
+        if embedded is not None and child is embedded.child:
+            # Same port, password and folder: the actors reconnect to what they knew.
+            restart_embedded_redis(embedded)
+        else:
+            restart_child(child)
 
     exit_code = 0
     try:
@@ -324,55 +302,79 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + READY_TIMEOUT_S
         ready = False
         while not stopping.is_set():
-            if embedded is not None and embedded.child.process.poll() is not None:
-                # Everything lives in it: no actor can go on, so none is restarted.
-                print(
-                    "orcapod up: the embedded redis-server exited with code "
-                    f"{embedded.child.process.returncode}; stopping everything",
-                    file=sys.stderr,
-                )
-                exit_code = 1
-                break
             try:
-                _restart_exited(supervised, backoffs, restart_at_s)
-            except CrashLoopError as error:
+                restart_exited(supervised, backoffs, restart_at_s, restart)
+            except (CrashLoopError, EmbeddedRedisError) as error:
                 print(f"orcapod up: {error}; stopping everything", file=sys.stderr)
                 exit_code = 1
                 break
             if not ready and _healthy(health_url):
                 ready = True
-                print("orcapod is ready:", flush=True)
-                for i in range(args.gateways):
-                    root = f"http://{args.host}:{args.port + i}"
-                    print(
-                        f"  ws://{args.host}:{args.port + i}/ws   OpenAI API: {root}/v1   "
-                        f"(health: {root}/health)",
-                        flush=True,
-                    )
-                print(f"  policy {args.policy}, {args.workers} worker(s), model {model_dir}")
-                for line in metrics_lines(
-                    scheduler_metrics_port, worker_metrics_ports, args.host, gateway_ports
-                ):
-                    print(line)
-                page = f"http://{args.host}:{args.port}"
-                print(f"  chat in the browser: {page}/   the scheduler, live: {page}/dashboard")
-                print(
-                    "  chat with: orcapod chat --url "
-                    f"ws://{args.host}:{args.port}/ws   (Ctrl-C here stops everything)",
-                    flush=True,
-                )
+                _print_ready(args, model_dir, metrics_ports)
             if not ready and time.monotonic() > deadline:
                 print("orcapod up: no gateway became healthy in time", file=sys.stderr)
                 exit_code = 1
                 break
             stopping.wait(0.25)
     finally:
-        print("stopping...", flush=True)
+        # The terminal may be gone (SIGHUP): that must not cut the stop short.
+        with contextlib.suppress(OSError):
+            print("stopping...", flush=True)
         # Gateways first, all at once: each lets its requests in flight finish
-        # (workers still running) for up to its drain timeout.
+        # (workers still running) for up to its drain timeout; then the work.
         stop_together(gateways, timeout_s=DEFAULT_DRAIN_TIMEOUT_S + GATEWAY_STOP_MARGIN_S)
-        stop_children(stop_order)
+        stop_children([*workers, scheduler])
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``orcapod up``."""
+    args = _parser().parse_args(argv)
+    if args.workers < 1 or args.gateways < 1:
+        print("orcapod up: --workers and --gateways must be >= 1", file=sys.stderr)
+        return 2
+    tenants_path = tenants_file(args.tenants_file)
+    try:
+        num_keys = _num_keys(args.host, tenants_path, redis_url_from_environment())
+        print(exposure_line(args.host, num_keys), flush=True)
+    except TenantConfigError as error:
+        print(f"orcapod up: {error}", file=sys.stderr)
+        return 2
+    except (RedisError, OSError) as error:
+        print(f"orcapod up: cannot count the API keys in Redis: {error}", file=sys.stderr)
+        return 1
+    stopping = threading.Event()
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
+
+    # SIGHUP too (the terminal closed): each stops in order and removes the data folder.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, request_stop)
+
+    model_dir = _ensure_model(args.model)
+    redis_url = redis_url_from_environment()
+    embedded = None
+    if redis_url is None:
+        for folder in remove_stale_data_dirs():
+            print(f"orcapod up: removed {folder}: the process that made it is gone", flush=True)
+        try:
+            embedded = start_embedded_redis(maxmemory=args.redis_maxmemory)
+        except EmbeddedRedisError as error:
+            print(f"orcapod up: {error}", file=sys.stderr)
+            return 1
+        redis_url = embedded.url
+        print(
+            f"embedded redis-server on {redis_url.split('@')[-1]} (password protected)", flush=True
+        )
+    try:
+        exit_code = _serve(args, model_dir, redis_url, tenants_path, embedded, stopping)
+    finally:
         if embedded is not None:
+            # The store last, so nobody loses its Redis while draining; then its
+            # folder (the password, every request's log) goes.
+            stop_children([embedded.child])
             remove_data(embedded)
-    print("stopped.")
+    with contextlib.suppress(OSError):
+        print("stopped.")
     return exit_code

@@ -287,6 +287,9 @@ class RequestRecord(msgspec.Struct, frozen=True, tag="record", forbid_unknown_fi
     submit: SubmitRequest
     client_id: str  # the `id` of the client's `generate`
     stop: list[str] = []
+    # False for a request that came over HTTP: its response is the only place
+    # its tokens may go, so no `resume` (here or on another gateway) takes it.
+    resumable: bool = True
     version: int = WIRE_VERSION
 
 

@@ -13,6 +13,7 @@ Environment variables (each overridable by a command-line flag):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -110,18 +111,40 @@ class GatewaySettings:
     # The scheduler's max_queued for a tenant whose record sets none: no
     # tenant fills the scheduler's global queue alone.
     default_max_queued: int = 256
-    # Threads that tokenize prompts off the event loop, and how many requests
-    # may wait for them before a generate gets queue_full.
+    # Threads that tokenize prompts off the event loop. Prompts wait for them
+    # in a fair queue per tenant (gateway/tokenize_queue.py): past its share of
+    # characters waiting or being tokenized a tenant's generate gets queue_full;
+    # so does anyone's past the gateway's caps on jobs and characters (memory).
     tokenizer_threads: int = 2
-    max_tokenizing: int = 64
+    max_tokenizing: int = 1024
+    max_tokenizing_chars: int = 8_000_000
+    max_tokenizing_chars_per_tenant: int = 1_000_000
+    # A tenant's refused generates are answered no faster than this many
+    # characters of their prompts a second (the refused socket waits), so
+    # resending a refused 100,000-character prompt at once is no flood.
+    max_refused_chars_per_s: float = 2_000_000.0
     # Unsent frames one socket may hold; a client that does not read is closed (1013).
     max_outbox_bytes: int = 8 << 20
     # A request with no token (and no end) this long is ended with an error.
     request_stall_timeout_s: float = 300.0
+    # HTTP connections (gateway/connection_guard.py): how long one may wait
+    # before a request's first byte (after connecting, or between keep-alive
+    # requests), then for the rest of its headers, then for its whole body;
+    # a websocket leaves these at its upgrade.
+    idle_timeout_s: float = 15.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Open connections, in all and per client address (an IPv6 client's /64;
+    # behind a proxy every client shares its address); 0: no cap.
+    max_connections: int = 8192
+    max_connections_per_address: int = 1024
     # Serve keyless clients as the open tenant even beyond loopback or with keys.
     open: bool = False
-    # Origins a browser's handshake may come from (empty: the Host's own).
+    # Origins a browser's handshake may come from, besides the gateway's own.
     allowed_origins: tuple[str, ...] = ()
+    # Host names a request may name besides IP literals, localhost and this
+    # machine's ("*": any); checked on a keyless gateway, or once any is given.
+    allowed_hosts: tuple[str, ...] = ()
 
 
 def flag_environment_default(
@@ -265,6 +288,18 @@ def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above 0 (a timeout in seconds),
+    else a usage error that says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
 
 
 def add_redis_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -189,6 +190,36 @@ def test_up_prints_and_serves_the_actors_metrics(service):
 
 
 # Last: it stops the module's service.
+def _status(port: int, head: str, body: bytes = b"") -> int:
+    """The status of one raw HTTP/1.1 request (any Host, as a rebound page sends)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+        connection.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        return int(connection.makefile("rb").readline().split()[1])
+
+
+def test_a_rebound_name_cannot_drive_the_keyless_service(service):
+    """DNS rebinding: a page on attacker.example whose name now resolves to
+    127.0.0.1. Its browser sends ``Host`` and ``Origin`` of its own name, which
+    the Origin check alone took for the gateway's own pages."""
+    _, port, _ = service
+    rebound = f"Host: attacker.example:{port}\nOrigin: http://attacker.example:{port}\n"
+    upgrade = (
+        "Upgrade: websocket\nConnection: Upgrade\nSec-WebSocket-Version: 13\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\n"
+    )
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    post = f"POST /v1/chat/completions HTTP/1.1\nContent-Length: {len(body)}\n"
+    assert _status(port, "GET /v1/models HTTP/1.1\n" + rebound) == 403
+    assert _status(port, "GET /ws HTTP/1.1\n" + upgrade + rebound) == 403
+    assert _status(port, "GET /dashboard/ws HTTP/1.1\n" + upgrade + rebound) == 403
+    assert _status(port, post + "Content-Type: text/plain\n" + rebound, body) == 403
+    assert _status(port, post + "Content-Type: application/json\n" + rebound, body) == 403
+    # Its own names still work, and a text/plain body is refused there too.
+    local = f"Host: localhost:{port}\n"
+    assert _status(port, "GET /v1/models HTTP/1.1\n" + local) == 200
+    assert _status(port, post + "Content-Type: text/plain\n" + local, body) == 415
+
+
 def test_up_serves_on_every_gateway_and_stops_cleanly(service):
     process, port, up = service
     # Each actor is its own process, named by its command line.

@@ -1,12 +1,16 @@
 """`orcapod up` survives a crashed child: the restart rule on a given clock, the
 embedded Redis's memory cap, and for real: `kill -9` of the worker, a new
-worker process under the same id, and the service answers again."""
+worker process under the same id, and the service answers again; `kill -9` of
+the embedded redis-server under load, the same server back and every stream
+complete exactly once; the data folder gone however the launcher stops."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -14,14 +18,28 @@ from pathlib import Path
 import pytest
 import redis
 from redis.exceptions import OutOfMemoryError, RedisError
+from websockets.asyncio.client import connect
 
 from orcapod.embedded_redis import (
     EmbeddedRedisError,
+    process_start_ticks,
     remove_data,
     start_embedded_redis,
 )
 from orcapod.processes import CrashLoopError, RestartBackoff, RestartPolicy, stop_children
+from shared.keys import RedisKeys
+from shared.settings import redis_settings
 from tests.conftest import descendants, free_port
+from tests.faults.cluster import (
+    Stream,
+    assert_exactly_once,
+    each_has_tokens,
+    longest_gap_s,
+    read_into,
+    run_requests,
+    seconds_to_last_token,
+    send_requests,
+)
 from tests.test_up import _generate
 from tests.up_process import UpProcess
 
@@ -75,6 +93,34 @@ def test_a_maxmemory_that_could_inject_config_is_refused():
         start_embedded_redis(maxmemory="1mb\nrequirepass x")
 
 
+REDIS_LINE = re.compile(r"embedded redis-server on 127\.0\.0\.1:(?P<port>\d+)/")
+RESTART_LINE = re.compile(
+    r"orcapod up: (?P<name>\S+) exited with code (?P<code>-?\d+); restarting it in \S+ s"
+)
+
+
+def _restarts(lines: list[str]) -> list[tuple[str, int]]:
+    """(child, exit code) of each restart the launcher announced."""
+    found = [RESTART_LINE.search(line) for line in lines]
+    return [(match["name"], int(match["code"])) for match in found if match]
+
+
+def _wait_line(up: UpProcess, pattern: re.Pattern[str], timeout_s: float) -> re.Match[str]:
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        for line in up.drain():
+            if match := pattern.search(line):
+                return match
+        assert time.monotonic() < deadline_s, f"no line like {pattern.pattern}: {up.output[-20:]}"
+        time.sleep(0.05)
+
+
+def _embedded_redis(launcher_pid: int) -> tuple[int, Path]:
+    """The launcher's redis-server: its pid and its data folder (where it works)."""
+    [pid] = [pid for pid, cmd in descendants(launcher_pid) if "redis-server" in cmd]
+    return pid, Path(os.readlink(f"/proc/{pid}/cwd"))
+
+
 def _worker_pids(launcher_pid: int) -> list[int]:
     return [pid for pid, cmd in descendants(launcher_pid) if "--worker-id worker-0" in cmd]
 
@@ -124,9 +170,106 @@ def test_a_killed_worker_comes_back_and_the_service_answers_again(one_gateway):
     seen = up.drain()
     restarts = [line for line in seen if "worker-0 exited with code -9; restarting it" in line]
     assert len(restarts) == 1, seen[-20:]
-    # The launcher stops cleanly afterwards, the new worker with it.
+    # The launcher stops cleanly afterwards, the new worker with it, and the
+    # embedded Redis's folder (its password, every request's log) goes.
+    _, data_dir = _embedded_redis(process.pid)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
+    assert not data_dir.exists()
     assert not Path(f"/proc/{new_pids[0]}").exists() or (
         "Z" in Path(f"/proc/{new_pids[0]}/stat").read_text().split()[2]
     )
+
+
+MAX_TOKENS = 24
+NO_HANG_S = 90.0
+
+
+def test_a_killed_embedded_redis_comes_back_as_the_same_server_and_no_token_is_lost(
+    one_gateway,
+):
+    """kill -9 of the embedded redis-server while four requests stream: the
+    launcher starts it again on the same port, password and folder (its AOF),
+    every stream completes with each seq exactly once, and new requests are
+    served. Then killed again with its port taken meanwhile: a clear line,
+    and the service stops (no restart loop), its folder removed."""
+    up, port = one_gateway
+    launcher = up.process
+    url = f"ws://127.0.0.1:{port}/ws"
+    [redis_port] = [int(m["port"]) for line in up.output if (m := REDIS_LINE.search(line))]
+    old_pid, data_dir = _embedded_redis(launcher.pid)
+    conf = dict(line.split(" ", 1) for line in (data_dir / "redis.conf").read_text().splitlines())
+
+    async def disturbed() -> tuple[dict[str, Stream], float]:
+        async with connect(url) as socket_:
+            streams = await send_requests(socket_, MAX_TOKENS)
+            await read_into(socket_, streams, time.monotonic() + 120, each_has_tokens(4))
+            killed_at_s = time.monotonic()
+            os.kill(old_pid, signal.SIGKILL)
+            await read_into(socket_, streams, time.monotonic() + NO_HANG_S)
+        return streams, killed_at_s
+
+    streams, killed_at_s = asyncio.run(disturbed())
+    assert_exactly_once(streams, MAX_TOKENS)
+    for stream in streams.values():  # each spans the outage
+        assert stream.token_times_s[0] < killed_at_s < stream.token_times_s[-1], stream
+    assert launcher.poll() is None
+    assert _restarts(up.drain()) == [("redis-server", -9)]
+    # The same server: a new process on the same port, password and folder,
+    # holding what was written before the kill (the requests' logs).
+    new_pid, new_data_dir = _embedded_redis(launcher.pid)
+    assert new_pid != old_pid and new_data_dir == data_dir
+    client = redis.Redis(port=redis_port, password=conf["requirepass"], socket_timeout=5)
+    assert client.info("server")["process_id"] == new_pid
+    assert client.config_get("dir") == {"dir": str(data_dir)}
+    keys = RedisKeys(redis_settings().prefix)
+    for stream in streams.values():
+        assert client.exists(keys.request_log(stream.request_id)), stream.request_id
+    client.close()
+    assert_exactly_once(asyncio.run(run_requests(url, 4)), 4)
+    print(
+        f"\nembedded redis kill -9: {len(streams)}/{len(streams)} streams completed exactly "
+        f"once; longest pause {longest_gap_s(streams):.2f} s; all ended "
+        f"{seconds_to_last_token(streams, killed_at_s):.2f} s after the kill"
+    )
+
+    # Killed again, its port taken before the launcher can start it again.
+    children = [pid for pid, _ in descendants(launcher.pid)]
+    os.kill(new_pid, signal.SIGKILL)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline_s = time.monotonic() + 5
+        while True:
+            try:
+                squatter.bind(("127.0.0.1", redis_port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline_s, "the killed redis-server kept its port"
+                time.sleep(0.01)
+        squatter.listen(1)
+        refused = re.compile(rf"cannot come back: port {redis_port} was taken by another process")
+        _wait_line(up, refused, timeout_s=30)
+    assert launcher.wait(timeout=60) == 1
+    assert _restarts(up.drain()) == [("redis-server", -9), ("redis-server", -9)]
+    assert not data_dir.exists()
+    assert not any(process_start_ticks(pid) for pid in children)  # each gone (or a zombie)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_ctrl_c_or_a_closed_terminal_stops_in_order_and_removes_the_data_folder(
+    prepared_model_dir, signum
+):
+    """Ctrl-C (SIGINT) and a closed terminal (SIGHUP) stop like SIGTERM: every
+    child stopped, exit 0, and the folder holding the password and the AOF gone."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    up = UpProcess(["--port", str(free_port()), "--model", str(prepared_model_dir)], env)
+    try:
+        _wait_line(up, REDIS_LINE, timeout_s=60)
+        _, data_dir = _embedded_redis(up.process.pid)
+        assert (data_dir / "redis.conf").is_file()
+        up.process.send_signal(signum)
+        assert up.process.wait(timeout=60) == 0
+        assert not data_dir.exists()
+        assert "stopped." in [line.strip() for line in up.drain()]
+    finally:
+        up.stop()

@@ -20,7 +20,12 @@ from pathlib import Path
 
 import redis
 
-from orcapod.embedded_redis import EmbeddedRedis, free_loopback_port, start_embedded_redis
+from orcapod.embedded_redis import (
+    EmbeddedRedis,
+    free_loopback_port,
+    remove_data,
+    start_embedded_redis,
+)
 from orcapod.processes import environment_with, stop_children
 
 # A worker's first start on a 2-core CPU compiles its decode graphs (about three
@@ -50,6 +55,7 @@ def benchmark_redis() -> Iterator[EmbeddedRedis]:
         yield embedded
     finally:
         stop_children([embedded.child])
+        remove_data(embedded)
 
 
 def flush(redis_url: str) -> None:

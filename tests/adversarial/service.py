@@ -31,7 +31,16 @@ from tests.up_process import UpProcess
 
 PREFIX = "adv"
 READY_TIMEOUT_S = 180.0
-KEYS = {"victim": "key-victim", "attacker": "key-attacker", "doomed": "key-doomed"}
+KEYS = {
+    "victim": "key-victim",
+    "attacker": "key-attacker",
+    "doomed": "key-doomed",
+    # Two tenants of one cache group: they share cached prompt prefixes.
+    "team_a": "key-team-a",
+    "team_b": "key-team-b",
+}
+# Pages of this origin may use the service, besides the gateway's own.
+ALLOWED_ORIGIN = "https://chat.example"
 # Things a client must never read in an error message: reprs, addresses,
 # tracebacks, the store's own words.
 INTERNALS = re.compile(r"Traceback|object at 0x|0x[0-9a-f]{8,}|Error\(|redis|Redis|\.py\b")
@@ -40,7 +49,11 @@ ROLES = ("redis-server", "-m scheduler_actor", "-m gpu_worker", "-m gateway")
 
 def tenants_toml(names: Sequence[str]) -> str:
     """A tenants file holding the keys of ``names`` (attacker quotas kept small)."""
-    quotas = {"attacker": "max_queued = 16\nmax_in_flight = 4\n"}
+    quotas = {
+        "attacker": "max_queued = 16\nmax_in_flight = 4\n",
+        "team_a": 'cache_group = "team"\n',
+        "team_b": 'cache_group = "team"\n',
+    }
     return "".join(
         f'[tenants.{name}]\n{quotas.get(name, "")}key_sha256 = ["{hash_key(KEYS[name])}"]\n'
         for name in names
@@ -97,6 +110,11 @@ class Service:
                 *("--port", str(self.port), "--model", str(self.model_dir)),
                 *("--tenants-file", str(self.tenants_path)),
                 "--worker-arg=--kv-cache-bytes=134217728",
+                f"--gateway-arg=--allowed-origin={ALLOWED_ORIGIN}",
+                # Short enough for tests/adversarial/test_connections.py to wait out.
+                "--gateway-arg=--idle-timeout-s=2",
+                "--gateway-arg=--header-timeout-s=3",
+                "--gateway-arg=--body-timeout-s=3",
             ],
             env,
         )

@@ -1,6 +1,8 @@
 """Admission and the request table in the pure core: requests being tokenized
 hold their id, a tenant's cap counts its detached requests, the tokenizer's
-queue is bounded, a stalled request ends, tenants get a default max_queued."""
+queue gets each job with its tenant and cost, a prompt certainly over the
+context or its tenant's tokens per minute is refused before tokenizing, a
+stalled request ends, tenants get a default max_queued."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import msgspec
 import pytest
 
 from gateway.actions import Action, PostUpstream, SendFrame, Tokenize
-from gateway.admission import BUSY_MESSAGE, AdmissionLimits
+from gateway.admission import AdmissionLimits
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tenants import Tenant
 from gateway.tokenizer import ChatTokenizer
@@ -59,26 +61,65 @@ def test_a_cancel_or_close_while_tokenizing_drops_the_request(
     assert session.table.num_pending == 0 and session.table.num_live_of_tenant("default") == 0
 
 
-def test_the_tokenizer_queue_is_bounded(
+def test_a_generate_is_tokenized_in_its_tenants_queue_at_its_cost(
     chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
-    config = SessionConfig(gateway_id="gw", admission=AdmissionLimits(max_tokenizing=2))
-    session = GatewaySession(config, chat_tokenizer, model_limits, clock=lambda: 0.0)
-    first, second = session.connect(), session.connect()
-    jobs = [
-        session.on_frame(first, generate_frame("a")),
-        session.on_frame(second, generate_frame("b")),
-    ]
-    assert all(isinstance(action, Tokenize) for [action] in jobs)
-    [busy] = frames(session.on_frame(second, generate_frame("c")))
-    assert busy == Error(code="queue_full", message=BUSY_MESSAGE, id="c")
-    # One answered: a place is free again.
-    [[job], _] = jobs
+    session = GatewaySession(
+        SessionConfig(gateway_id="gw"), chat_tokenizer, model_limits, clock=lambda: 0.0
+    )
+    tenant = Tenant(name="t", weight=2.0, max_tokens_per_request=50)
+    socket_id = session.connect(tenant, key_hash="k" * 64)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    [job] = session.on_frame(socket_id, generate_frame("a", prompt=None, messages=messages))
     assert isinstance(job, Tokenize)
-    accepted = frames(tokenized(session, job, chat_tokenizer, model_limits))
-    assert isinstance(accepted[0], Accepted)
-    [again] = session.on_frame(second, generate_frame("c"))
-    assert isinstance(again, Tokenize)
+    assert (job.tenant, job.num_chars, job.max_tokens_cap) == (tenant, 11, 50)
+
+
+def test_a_prompt_certainly_over_the_context_is_refused_before_tokenizing(
+    chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    session = GatewaySession(
+        SessionConfig(gateway_id="gw"), chat_tokenizer, model_limits, clock=lambda: 0.0
+    )
+    socket_id = session.connect()
+    # Every digit is a token of its own: at least 9,000 tokens, over 8,192.
+    digits = "1234567890" * 900
+    assert len(chat_tokenizer.encode(digits, add_special_tokens=True)) >= 9_000
+    for fields in (
+        {"prompt": digits},
+        {"prompt": None, "messages": [{"role": "user", "content": digits}]},
+    ):
+        [refused] = frames(session.on_frame(socket_id, generate_frame("a", **fields)))
+        assert isinstance(refused, Error) and refused.code == "prompt_too_long", refused
+        assert "at least 9000 tokens" in refused.message
+    # Just as long but cheap in tokens (runs of spaces): tokenized, not refused here.
+    [job] = session.on_frame(socket_id, generate_frame("b", prompt=" " * 9_000))
+    assert isinstance(job, Tokenize)
+    assert session.table.num_pending == 1
+
+
+def test_a_prompt_certainly_over_the_tokens_per_minute_is_refused_before_tokenizing(
+    chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    session = GatewaySession(
+        SessionConfig(gateway_id="gw"), chat_tokenizer, model_limits, clock=lambda: 0.0
+    )
+    socket_id = session.connect(Tenant(name="bob", tokens_per_minute=3000), key_hash="k" * 64)
+    prose = ("the quick brown fox jumps over the lazy dog " * 2300)[:100_000]
+    [refused] = frames(session.on_frame(socket_id, generate_frame("a", prompt=prose)))
+    assert isinstance(refused, Error) and refused.code == "invalid_request", refused
+    assert "at least" in refused.message and "tokens-per-minute limit of 3000" in refused.message
+    assert session.table.num_pending == 0
+    # At least 2,403 tokens: under 3,000 with max_tokens 8, over it with a null
+    # max_tokens (which takes what the context leaves, up to the cap of 1,000).
+    part = prose[:60_000]
+    [refused] = frames(
+        session.on_frame(socket_id, generate_frame("b", prompt=part, max_tokens=None))
+    )
+    assert isinstance(refused, Error) and refused.code == "invalid_request", refused
+    assert "at least 3403 tokens" in refused.message
+    [job] = session.on_frame(socket_id, generate_frame("c", prompt=part))
+    assert isinstance(job, Tokenize)
 
 
 def test_a_tenants_cap_counts_its_detached_requests(

@@ -1,5 +1,7 @@
-"""The handshake, end to end: a page of another site is refused (403), the open
-tenant is decided once at start, a revoked key closes its sockets (1008)."""
+"""The handshake, end to end: a page of another site is refused (403), so is
+a request naming the gateway by a name it does not answer to (DNS
+rebinding), a repeated credential header is a 400, the open tenant is
+decided once at start, a revoked key closes its sockets (1008)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits
 from tests.conftest import RedisServer
 from tests.gateway.test_server import (
+    KEYS,
     TIMEOUT_S,
     FakeUpstream,
     accept,
@@ -58,12 +61,14 @@ def test_a_browser_page_of_another_site_is_refused(
     run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
 
 
-def test_allowed_origins_replace_the_same_host_rule(
+def test_allowed_origins_add_to_the_gateways_own(
     redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
 ) -> None:
     async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
         assert await status_of(server.url, origin="https://chat.example") == 101
-        assert await status_of(server.url, origin=f"http://127.0.0.1:{server.port}") == 403
+        # The gateway's own pages (chat, dashboard) keep working.
+        assert await status_of(server.url, origin=f"http://127.0.0.1:{server.port}") == 101
+        assert await status_of(server.url, origin="https://evil.example") == 403
 
     run_with_gateway(
         redis_server,
@@ -160,6 +165,123 @@ def test_a_revoked_key_closes_its_sockets(
         tenants_file=tenants_file,
         tenants_reload_s=reload_s,
     )
+
+
+async def raw_status(port: int, request_head: str, body: bytes = b"") -> int:
+    """The status of one HTTP/1.1 request sent as written (headers repeated,
+    any ``Host``), as a rebinding page's browser or a hostile client sends it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request_head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        status_line = await asyncio.wait_for(reader.readline(), TIMEOUT_S)
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
+
+
+WS_HEAD = (
+    "GET /ws HTTP/1.1\nUpgrade: websocket\nConnection: Upgrade\n"
+    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\nSec-WebSocket-Version: 13\n"
+)
+
+
+def rebound(host: str) -> str:
+    """The headers a page on ``host`` sends once ``host`` resolves to us."""
+    return f"Host: {host}\nOrigin: http://{host}\n"
+
+
+def test_a_rebound_name_is_refused_on_a_keyless_gateway(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    """DNS rebinding: a page on attacker.example, whose name now resolves to
+    127.0.0.1, is same-origin with it; every route refuses its Host."""
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        assert server.port is not None
+        port = server.port
+        attacker = rebound(f"attacker.example:{port}")
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+        post = f"POST /v1/chat/completions HTTP/1.1\nContent-Length: {len(body)}\n"
+        assert await raw_status(port, WS_HEAD + attacker) == 403
+        assert await raw_status(port, WS_HEAD.replace("/ws", "/dashboard/ws") + attacker) == 403
+        assert await raw_status(port, "GET /v1/models HTTP/1.1\n" + attacker) == 403
+        assert await raw_status(port, "GET /metrics HTTP/1.1\n" + attacker) == 403
+        json_post = post + "Content-Type: application/json\n" + attacker
+        assert await raw_status(port, json_post, body) == 403
+        # The names nobody outside controls pass: IP literals, localhost, ours.
+        for name in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "app.localhost"):
+            assert await raw_status(port, WS_HEAD + rebound(name)) == 101, name
+        assert await raw_status(port, "GET /v1/models HTTP/1.1\nHost: localhost\n") == 200
+        assert await upstream.redis.xlen(KEYS.requests) == 0
+
+    run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
+
+
+def test_allowed_hosts_are_answered_and_checked_with_keys_too(
+    redis_server: RedisServer,
+    chat_tokenizer: ChatTokenizer,
+    model_limits: ModelLimits,
+    tmp_path: Path,
+) -> None:
+    tenants_file = tmp_path / "tenants.toml"
+    write_tenants(tenants_file, KEY)
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        assert server.port is not None
+        key = f"Authorization: Bearer {KEY}\n"
+        assert await raw_status(server.port, WS_HEAD + key + rebound("llm.example")) == 101
+        assert await raw_status(server.port, WS_HEAD + key + rebound("other.example")) == 403
+
+    run_with_gateway(
+        redis_server,
+        chat_tokenizer,
+        model_limits,
+        scenario,
+        tenants_file=tenants_file,
+        allowed_hosts=("llm.example",),
+    )
+
+
+def test_a_gateway_with_keys_answers_any_name_by_default(
+    redis_server: RedisServer,
+    chat_tokenizer: ChatTokenizer,
+    model_limits: ModelLimits,
+    tmp_path: Path,
+) -> None:
+    """Behind a load balancer or in a compose network clients use names
+    nobody listed; a rebound page has no key to use."""
+    tenants_file = tmp_path / "tenants.toml"
+    write_tenants(tenants_file, KEY)
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        assert server.port is not None
+        key = f"Authorization: Bearer {KEY}\n"
+        assert await raw_status(server.port, WS_HEAD + key + rebound("gateway-0:8000")) == 101
+        assert await raw_status(server.port, WS_HEAD + rebound("attacker.example")) == 401
+
+    run_with_gateway(
+        redis_server, chat_tokenizer, model_limits, scenario, tenants_file=tenants_file
+    )
+
+
+def test_a_repeated_credential_or_origin_header_is_a_400(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        assert server.port is not None
+        port = server.port
+        host = f"Host: 127.0.0.1:{port}\n"
+        twice = {
+            "Authorization": "Authorization: Bearer a\nAuthorization: Bearer b\n",
+            "Origin": f"Origin: http://127.0.0.1:{port}\nOrigin: http://evil.example\n",
+            "Host": f"{host}Host: attacker.example\n",
+        }
+        for name, headers in twice.items():
+            assert await raw_status(port, WS_HEAD + host * (name != "Host") + headers) == 400
+            models = "GET /v1/models HTTP/1.1\n" + host * (name != "Host") + headers
+            assert await raw_status(port, models) == 400, name
+
+    run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
 
 
 def bearer(key: str) -> dict[str, str]:

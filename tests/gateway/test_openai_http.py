@@ -31,6 +31,7 @@ from tests.gateway.test_server import (
     accept,
     receive_until_done,
     run_with_gateway,
+    running_gateway,
 )
 from tests.gateway.worker_tokens import worker_tokens
 
@@ -73,7 +74,7 @@ async def send_post(
     reader, writer = await asyncio.open_connection(sock=sock)
     data = json.dumps(body).encode()
     writer.write(
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n".encode()
         + f"Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
@@ -374,6 +375,109 @@ def test_keys_and_origins_as_on_the_websocket(
     run_with_gateway(
         redis_server, chat_tokenizer, model_limits, scenario, tenants_file=tenants_file
     )
+
+
+async def stream_events(server: GatewayServer, body: Any, headers: dict[str, str]) -> list[str]:
+    """A streamed request's events (their ``data``), read to the end of the response."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{server.http_url}/v1/chat/completions", json=body, headers=headers
+        ) as response,
+    ):
+        assert response.status == 200
+        text = await response.text()
+    return [event.removeprefix("data: ") for event in text.split("\n\n") if event]
+
+
+def assert_ends_with_error(events: list[str], error_type: str) -> dict[str, Any]:
+    """The stream's last events are an error of ``error_type``, then ``[DONE]``."""
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == error_type, error
+    return error
+
+
+def test_a_revoked_keys_http_stream_ends_with_an_error_event(
+    redis_server: RedisServer,
+    chat_tokenizer: ChatTokenizer,
+    model_limits: ModelLimits,
+    tmp_path: Path,
+) -> None:
+    tenants_file = tmp_path / "tenants.toml"
+    kept = tenant_toml(Tenant(name="bob"), [hash_key("opk_bob")])
+    tenants_file.write_text(tenant_toml(Tenant(name="alice"), [hash_key("opk_alice")]) + kept)
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        body = {"messages": CHAT, "stream": True, "max_tokens": 500}
+        call = asyncio.create_task(
+            stream_events(server, body, {"Authorization": "Bearer opk_alice"})
+        )
+        submit = await upstream.next_submit()
+        await upstream.publish(*worker_tokens(chat_tokenizer, submit.request_id, "a b", None))
+        tenants_file.write_text(kept)
+        events = await asyncio.wait_for(call, TIMEOUT_S)
+        error = assert_ends_with_error(events, "authentication_error")
+        assert error["message"] == "API key revoked"
+        assert (await upstream.next_cancel()).request_id == submit.request_id
+
+    run_with_gateway(
+        redis_server,
+        chat_tokenizer,
+        model_limits,
+        scenario,
+        tenants_file=tenants_file,
+        tenants_reload_s=0.1,
+    )
+
+
+def test_an_http_stream_still_running_at_shutdown_ends_with_an_error_event(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    async def main() -> None:
+        body = {"messages": CHAT, "stream": True, "max_tokens": 500}
+        async with running_gateway(
+            redis_server, chat_tokenizer, model_limits, drain_timeout_s=0.2
+        ) as (server, upstream):
+            call = asyncio.create_task(stream_events(server, body, {}))
+            submit = await upstream.next_submit()
+            await upstream.publish(*worker_tokens(chat_tokenizer, submit.request_id, "a", None))
+            await asyncio.sleep(0.1)
+        events = await asyncio.wait_for(call, TIMEOUT_S)
+        error = assert_ends_with_error(events, "server_error")
+        assert error["code"] == "service_unavailable"
+
+    asyncio.run(main())
+
+
+def test_a_body_not_declared_json_is_a_415(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    """A page of any site may send text/plain or a form without a preflight."""
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        body = json.dumps({"messages": CHAT}).encode()
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            async with (
+                aiohttp.ClientSession(skip_auto_headers=["Content-Type"]) as session,
+                session.post(
+                    f"{server.http_url}/v1/chat/completions", data=body, headers=headers
+                ) as response,
+            ):
+                assert response.status == 415, content_type
+                error = (await response.json())["error"]
+                assert error["code"] == "unsupported_media_type"
+        assert await upstream.redis.xlen(KEYS.requests) == 0
+        # With a charset it is JSON all the same.
+        charset = {"Content-Type": "application/json; charset=utf-8"}
+        call = asyncio.create_task(post(server, "/v1/chat/completions", body, charset))
+        submit = await upstream.next_submit()
+        await upstream.publish(*worker_tokens(chat_tokenizer, submit.request_id, "ok"))
+        status, reply = await call
+        assert status == 200 and reply["choices"][0]["message"]["content"] == "ok"
+
+    run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
 
 
 def test_metrics_count_what_clients_were_sent(

@@ -359,3 +359,51 @@ def test_a_resume_of_a_request_that_failed_elsewhere_replays_its_tokens_then_the
     token, error = replies
     assert isinstance(token, Token) and (token.id, token.seq) == ("q", 1)
     assert error == Error(code="internal", message="failed", id="q")
+
+
+def test_an_http_request_is_never_resumed_here_or_from_its_log(
+    session: GatewaySession, chat_tokenizer: ChatTokenizer
+) -> None:
+    """Its frames belong to its HTTP response: a websocket of the same tenant
+    that resumes it (with the id from ``chatcmpl-<request_id>``) gets an
+    error, and the response keeps every token."""
+    http = session.connect(resumable=False)
+    request_id = generate(session, http, "a")
+    tokens = worker_tokens(chat_tokenizer, request_id, "one two three four")
+    session.on_gateway_message(batch(*tokens[:2]), "ch")
+    thief = session.connect()
+    resume = f'{{"type":"resume","request_id":"{request_id}","after_seq":0,"id":"b"}}'
+    [refusal] = frames(session.on_frame(thief, resume))
+    assert isinstance(refusal, Error) and refusal.code == "invalid_request"
+    assert "came over HTTP" in refusal.message and refusal.id == "b"
+    rest = [a for a in session.on_gateway_message(batch(*tokens[2:]), "ch")]
+    assert {a.socket_id for a in rest if isinstance(a, SendFrame)} == {http}
+    # From its log, on a gateway that never saw it: refused the same way.
+    record = RequestRecord(
+        submit=SubmitRequest(
+            request_id="over-http",
+            gateway_id="gw-1",
+            tenant="default",
+            prompt_ids=chat_tokenizer.encode("Hello", add_special_tokens=True),
+            sampling=SamplingParams(max_tokens=8),
+        ),
+        client_id="q",
+        resumable=False,
+    )
+    [load] = session.on_frame(thief, '{"type":"resume","request_id":"over-http"}')
+    assert isinstance(load, LoadLog)
+    [refusal] = frames(session.on_log_loaded(thief, load.resume, RequestLog(record=record)))
+    assert isinstance(refusal, Error) and "came over HTTP" in refusal.message
+
+
+def test_the_record_of_an_http_request_says_it_is_not_resumable(
+    session: GatewaySession,
+) -> None:
+    for resumable in (True, False):
+        socket_id = session.connect(resumable=resumable)
+        actions = session.on_frame(
+            socket_id, '{"type":"generate","id":"r","messages":[{"role":"user","content":"Hi"}]}'
+        )
+        [post] = [a for a in actions if isinstance(a, PostUpstream)]
+        assert isinstance(post.log_entry, RequestRecord)
+        assert post.log_entry.resumable is resumable

@@ -42,6 +42,8 @@ max_queued = 100
 max_in_flight = 8
 max_tokens_per_request = 1024
 tokens_per_minute = 200000
+cache_group = "acme-apps"
+operator = true
 key_sha256 = ["{hash_key(KEY_A)}"]
 
 [tenants.beta]
@@ -64,8 +66,12 @@ def test_parse_and_look_up_by_key() -> None:
         max_in_flight=8,
         max_tokens_per_request=1024,
         tokens_per_minute=200_000,
+        cache_group="acme-apps",
+        operator=True,
     )
-    assert acme.limits == TenantLimits(weight=2.0, max_queued=100, max_in_flight=8)
+    assert acme.limits == TenantLimits(
+        weight=2.0, max_queued=100, max_in_flight=8, cache_group="acme-apps"
+    )
     beta = table.lookup(KEY_B)  # its hash was written in upper case
     assert beta == Tenant(name="beta") and beta.limits == TenantLimits()
     assert table.lookup("key-of-nobody") is None
@@ -98,7 +104,14 @@ def test_bad_files_are_clear_errors(text: str, expected: str) -> None:
 
 
 def test_toml_section_round_trips() -> None:
-    tenant = Tenant(name="acme", weight=0.5, max_in_flight=3, tokens_per_minute=9000)
+    tenant = Tenant(
+        name="acme",
+        weight=0.5,
+        max_in_flight=3,
+        tokens_per_minute=9000,
+        operator=True,
+        cache_group="shared",
+    )
     table = parse_tenants_toml(tenant_toml(tenant, [hash_key(KEY_A), hash_key(KEY_B)]))
     assert table.lookup(KEY_A) == tenant and table.lookup(KEY_B) == tenant
 
@@ -266,7 +279,8 @@ def test_cli_add_key_to_redis_then_list_and_revoke(
     assert (
         tenants_cli.main(["add-key", "--tenant", "acme", "--max-in-flight", "4", *redis_args]) == 0
     )
-    assert tenants_cli.main(["add-key", "--tenant", "acme", "--weight", "3", *redis_args]) == 0
+    again = ["add-key", "--tenant", "acme", "--weight", "3", "--cache-group", "g1"]
+    assert tenants_cli.main([*again, *redis_args]) == 0
     key_1, key_2 = capsys.readouterr().out.split()
     assert key_1 != key_2 and key_1.startswith("opk_")
 
@@ -275,7 +289,7 @@ def test_cli_add_key_to_redis_then_list_and_revoke(
 
     table = _run(scenario, redis_server)
     # The second call kept max_in_flight and set the weight of both keys.
-    expected = Tenant(name="acme", weight=3.0, max_in_flight=4)
+    expected = Tenant(name="acme", weight=3.0, max_in_flight=4, cache_group="g1")
     assert table.lookup(key_1) == expected and table.lookup(key_2) == expected
     assert tenants_cli.main(["list", *redis_args]) == 0
     listing = capsys.readouterr().out
@@ -290,9 +304,10 @@ def test_cli_add_key_to_redis_then_list_and_revoke(
 
 def test_cli_add_key_as_toml(capsys: pytest.CaptureFixture) -> None:
     command = ["add-key", "--tenant", "acme", "--tokens-per-minute", "500", "--toml"]
-    assert tenants_cli.main(command) == 0
+    assert tenants_cli.main([*command, "--cache-group", "acme-apps"]) == 0
     out = capsys.readouterr().out
     key = out.splitlines()[0]
     section = out[out.index("[tenants.acme]") :]
     tenant = parse_tenants_toml(section).lookup(key)
-    assert tenant == Tenant(name="acme", tokens_per_minute=500)
+    assert tenant == Tenant(name="acme", tokens_per_minute=500, cache_group="acme-apps")
+    assert tenants_cli.main([*command, "--cache-group", "not a name"]) == 2
