@@ -44,10 +44,10 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         default=flag_environment_default("weights", DEFAULTS["weight_format"], str),
         help="float32: exact; float16: matrices packed for fbgemm; int4: matrices on "
         "a 4-bit grid per 32 values (Q4_1) held in 4 bits, bf16 arithmetic (CPUs with "
-        "avx512_bf16); fewer bytes per token (CPU and --dtype float32 only; where one cannot "
-        "run or hold a matrix, or its logits of a probe prompt stray, the next choice or "
-        "the loaded weights, with a log line); auto (default): "
-        "int4, else float16, on the CPU, the loaded weights elsewhere ($ORCAPOD_WEIGHTS)",
+        "avx512_bf16; a greedy answer can change with the batch it runs in); fewer bytes per "
+        "token (CPU and --dtype float32 only; where one cannot run or hold a matrix, or its "
+        "logits of a probe prompt stray, the loaded weights, with a log line); auto "
+        "(default): float16 on the CPU, the loaded weights elsewhere ($ORCAPOD_WEIGHTS)",
     )
     parser.add_argument("--backend", help="attention backend (default: the device's fastest)")
     parser.add_argument("--kv-cache-bytes", type=int, help="K/V pool size in bytes")

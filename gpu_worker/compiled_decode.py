@@ -53,7 +53,12 @@ from gpu_worker.decode_attention import (
 )
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
-from gpu_worker.quantized_linear import PackedLinear, traceable, traceable_for_batches
+from gpu_worker.quantized_linear import (
+    BF16_LOGIT_ERROR,
+    PackedLinear,
+    traceable,
+    traceable_for_batches,
+)
 from gpu_worker.unguarded_compile import UnguardedGraph, max_relative_error
 
 # The largest batch the batch graph takes (a bound dynamo's shape reasoning needs).
@@ -61,12 +66,8 @@ BATCH_MAX_REQUESTS = 4096
 # How far the compiled step's logits may stray from the eager forward's on the
 # warm-up step, relative to the largest logit (fused loops round differently).
 MAX_LOGIT_ERROR = 1e-3
-# The same where the graph's matmuls run in bf16 (int4's copy, for batches): bf16
-# keeps three significant digits, and two bf16 computations rounding in other
-# places drift apart over 30 layers (SmolLM2's batch graph: 1.7 %, while both
-# were 7-9 % from the fp32 logits of the same step); a wrong graph strays by far
-# more, or gives NaN.
-MAX_BF16_LOGIT_ERROR = 5e-2
+# The same where the graph's matmuls run in bf16 (int4's copy, for batches).
+MAX_BF16_LOGIT_ERROR = BF16_LOGIT_ERROR
 
 _log = structlog.get_logger(__name__)
 # Traced once per graph and stamped out for every layer (inductor's codegen of the

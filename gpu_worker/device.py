@@ -10,12 +10,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
+def cpu_has_native_bf16(
+    cpuinfo: Path = Path("/proc/cpuinfo"), capability: str | None = None
+) -> bool:
+    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and torch
+    uses its AVX-512 kernels (``capability``, default torch's: not held to AVX2 by
+    ``ATEN_CPU_CAPABILITY``).
 
     Without those units torch emulates bf16 on the CPU, several times slower
     than fp32, so ``--weights int4`` (bf16 arithmetic) runs only where they exist.
     """
+    if capability is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return False
     try:
         flags = cpuinfo.read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -37,7 +45,7 @@ def choose_dtype(device: torch.device, requested: str | None = None) -> torch.dt
     """``requested`` by name, else bf16 on CUDA and fp32 on the CPU.
 
     fp32 on every CPU, bf16 units or not: there ``--weights auto`` packs the
-    matrices (int4 with bf16 arithmetic where the units exist, else fp16),
+    matrices (fp16 weights, fp32 arithmetic),
     and a single chat's decode step took twice as long with a whole bf16
     model on an avx512_bf16 Xeon (40 against 20 ms; docs/benchmarks.md,
     *Issue 14, fourth step*).

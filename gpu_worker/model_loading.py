@@ -30,7 +30,7 @@ def load_model(
     """Load a Hugging Face-format Llama directory on the chosen device and dtype.
 
     ``weight_format`` 'float16' or 'int4' packs the matrices for the CPU's
-    kernels (``quantized_linear``; 'auto' picks int4, else float16, where they
+    kernels (``quantized_linear``; 'auto' picks float16 where they
     run, the loaded tensors elsewhere); where they cannot run, or their
     logits of a probe prompt stray from the loaded weights', the loaded
     tensors are kept (the exact path) and one log line says why.
@@ -50,18 +50,24 @@ def load_model(
 def probe_logits(model: LlamaModel, num_tokens: int = PROBE_PROMPT_TOKENS) -> torch.Tensor:
     """Logits ``[num_tokens, vocab]`` of every position of a fixed pseudo-random
     prompt, prefilled in one pass into a throwaway K/V cache."""
-    config, device = model.config, model.device
     generator = torch.Generator().manual_seed(0)
-    token_ids = torch.randint(config.vocab_size, (num_tokens,), generator=generator)
+    token_ids = torch.randint(model.config.vocab_size, (num_tokens,), generator=generator)
+    return prompt_logits(model, token_ids.tolist())
+
+
+def prompt_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
+    """Logits ``[len(token_ids), vocab]`` of every position of ``token_ids``,
+    prefilled in one pass into a throwaway K/V cache."""
+    device, num_tokens = model.device, len(token_ids)
     block_size = 16
     cache = PagedKVCache(
-        config, blocks_for(num_tokens, block_size), block_size, device, model.dtype
+        model.config, blocks_for(num_tokens, block_size), block_size, device, model.dtype
     )
     cache.tables.extend("probe", range(cache.num_blocks))
     backend = make_backend(default_backend_name(device), model.dtype)
     layout = [SequenceLayout(0, num_tokens, 0, cache.tables.table("probe"))]
     return model.forward(
-        token_ids=token_ids.to(device),
+        token_ids=torch.tensor(token_ids, device=device),
         positions=torch.arange(num_tokens, device=device),
         slot_mapping=torch.tensor(cache.slot_ids("probe", 0, num_tokens), device=device),
         kv_cache=cache,

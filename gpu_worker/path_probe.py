@@ -24,6 +24,7 @@ import torch
 
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.decode_attention import MIN_BLOCKS
+from gpu_worker.quantized_linear import BF16_LOGIT_ERROR, rounds_in_bf16
 from gpu_worker.step_path import (
     EAGER,
     PAGED_ATTENTION_MIN_BLOCKS,
@@ -39,7 +40,8 @@ from gpu_worker.unguarded_compile import max_relative_error
 # another LM head round differently: SmolLM2's lone float16 graph strays up to
 # 6.5e-4 over the probe (its head in int8 against fbgemm's fp16), the paged
 # attention 1.4e-6. A path that reads the wrong data strays by far more: 0.95
-# when the paged attention took its queries as a strided view.
+# when the paged attention took its queries as a strided view. Layers that
+# round to bf16 (int4) allow ``BF16_LOGIT_ERROR`` on every path.
 MAX_LOGIT_ERROR = 5e-3
 # Decode steps each request takes in a row before the batch changes.
 DECODES_PER_SHAPE = 2
@@ -172,8 +174,9 @@ def probe_step_paths(runner: StepRunner) -> dict[str, float]:
         _run_sequence(probe, sizes)
     finally:
         probe.forget()
+    least_bound = BF16_LOGIT_ERROR if rounds_in_bf16(runner.model.weights) else MAX_LOGIT_ERROR
     for name, error in probe.errors.items():
-        bound = max(runner.logit_tolerance(name) or 0.0, MAX_LOGIT_ERROR)
+        bound = max(runner.logit_tolerance(name) or 0.0, least_bound)
         if not error <= bound:  # NaN too
             runner.drop(name)
             _log.error(

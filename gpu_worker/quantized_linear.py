@@ -52,9 +52,24 @@ if TYPE_CHECKING:
 # What ``auto`` tries on the CPU, in order, the first that packs and passes the
 # probe winning. float16: every greedy token of 20 chat prompts identical to
 # fp32's, logits within 0.15 %, 1.6-1.8x fp32's decode at batch 1 (AVX2,
-# docs/benchmarks.md, *Issue 14, second step*); int4, where it runs, reads a
-# quarter of float16's bytes (*Issue 14, fourth step*).
-AUTO_CPU_FORMATS = ("int4", "float16")
+# docs/benchmarks.md, *Issue 14, second step*), and a request's answer the
+# same whatever runs beside it (fp32 arithmetic, row by row).
+# int4 is not tried, though it reads a quarter of float16's bytes where it
+# runs (*Issue 14, fourth step*): it rounds every layer's output to bf16, and
+# by one kernel at up to 8 rows and another above, so a greedy answer can
+# change with the batch it ran in. Measured on an avx512_bf16 EPYC: "What is
+# rain?" opens with a near-tie (fp32 logits 23.940 against 23.934), which
+# int4 resolves one way alone and the other beside other chats. An answer that
+# depends on who else is served is not a default; ``--weights int4`` is a choice.
+AUTO_CPU_FORMATS = ("float16",)
+# How far two computations of the same step may stray, relative to the largest
+# logit, where the layers round to bf16 (int4): bf16 keeps three significant
+# digits, and two bf16 computations rounding in other places drift apart over
+# 30 layers (SmolLM2's batch graph: 1.7 %, while both were 7-9 % from the fp32
+# logits of the same step; the eager step beside the paged attention, which
+# differs from SDPA by 1e-6, 0.8 %); a path reading the wrong data strays by
+# far more, or gives NaN.
+BF16_LOGIT_ERROR = 5e-2
 # The 4-bit groups: one scale and one minimum per this many weights of a row.
 INT4_GROUP_SIZE = 32
 # Calls of at most this many rows take the 4-bit kernel, larger ones the bf16
@@ -482,6 +497,12 @@ def resolve_weight_format(weight_format: str, device: torch.device, dtype: torch
     runs on ``device``/``dtype`` (``float32``, the loaded tensors, where none does)."""
     candidates = candidate_formats(weight_format, device, dtype)
     return candidates[0] if candidates else "float32"
+
+
+def rounds_in_bf16(weights: ModelWeights) -> bool:
+    """Whether the layers of ``weights`` round their outputs to bf16 (int4), so
+    that two ways of computing one step agree only to ``BF16_LOGIT_ERROR``."""
+    return weight_format_of(weights) == "int4"
 
 
 def weight_format_of(weights: ModelWeights) -> str:

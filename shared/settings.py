@@ -195,7 +195,7 @@ class WorkerSettings:
     dtype: str | None = None
     # How the matrices are held: 'float32' (exact), or packed for the CPU's
     # kernels, 'float16' (fbgemm's) or 'int4' (gpu_worker/quantized_linear.py);
-    # 'auto': int4, else float16, on a CPU in float32, the loaded tensors elsewhere.
+    # 'auto': float16 on a CPU in float32, the loaded tensors elsewhere.
     weight_format: str = "auto"
     attention_backend: str | None = None
     kv_cache_bytes: int | None = None

@@ -28,7 +28,7 @@ from gateway.tokenizer import ChatTokenizer
 from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
-from gpu_worker.model_loading import load_model
+from gpu_worker.model_loading import load_model, prompt_logits
 from gpu_worker.quantized_linear import weight_format_of
 from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.core import Scheduler
@@ -155,6 +155,28 @@ def compare(model: LlamaModel, chats: dict[str, list[int]], compile_decode: bool
             }.items()
         },
     }
+
+
+def divergence_margins(
+    exact: LlamaModel, chats: dict[str, list[int]], differing: dict[str, dict[str, list[int]]]
+) -> dict[str, float]:
+    """For each chat of ``differing`` (its ``alone`` and ``overlapping`` tokens), how
+    close the two tokens where they part were for ``exact``: the difference of
+    its logits for them, after the prompt and the tokens they share. A path that
+    rounds coarser than fp32 (int4's bf16) may part there only at a near-tie."""
+    margins = {}
+    for request_id, runs in differing.items():
+        alone, overlapping = runs["alone"], runs["overlapping"]
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(alone, overlapping, strict=False)) if a != b),
+            min(len(alone), len(overlapping)),
+        )
+        if shared == min(len(alone), len(overlapping)):
+            margins[request_id] = float("inf")  # one ended early: not a tie
+            continue
+        logits = prompt_logits(exact, chats[request_id] + alone[:shared])[-1]
+        margins[request_id] = abs(float(logits[alone[shared]] - logits[overlapping[shared]]))
+    return margins
 
 
 def main(argv: list[str]) -> int:

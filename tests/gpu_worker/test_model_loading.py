@@ -104,9 +104,11 @@ def test_device_and_dtype_are_automatic_and_overridable(tmp_path):
     assert choose_dtype(torch.device("cpu"), None) is torch.float32  # bf16 units or not
     flags = tmp_path / "cpuinfo"
     flags.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
-    assert cpu_has_native_bf16(flags)
+    assert cpu_has_native_bf16(flags, "AVX512")
+    # Held to AVX2 (ATEN_CPU_CAPABILITY=avx2), torch's kernels use no bf16 units.
+    assert not cpu_has_native_bf16(flags, "AVX2")
     flags.write_text("flags\t\t: fpu avx2\n")
-    assert not cpu_has_native_bf16(flags)
+    assert not cpu_has_native_bf16(flags, "AVX512")
     with pytest.raises(ValueError, match="float64"):
         choose_dtype(torch.device("cpu"), "float64")
 

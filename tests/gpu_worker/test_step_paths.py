@@ -6,6 +6,13 @@ held to AVX2 where this CPU has AVX-512; and the choice of path itself.
 What this covers on a given machine is named in each case's id; formats the
 CPU cannot run (int4 without bf16 units) are skipped with the reason, and an
 AVX2-only machine's native default is the AVX2 case.
+
+int4 (``--weights int4``, not the default) rounds every layer's output to bf16,
+so two batches can resolve a near-tie differently: its chats may part from
+their lone answers only where the exact model's logits for the two tokens
+were within ``INT4_NEAR_TIE`` (measured on an avx512_bf16 EPYC: 0.004 to
+0.14, against top-two margins of about 1 to 3 elsewhere); a path that read
+the wrong data parts at once and by far more.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ from tests.gpu_worker import overlap_scenario
 
 CPU = torch.device("cpu")
 DEFAULT = resolve_weight_format("auto", CPU, torch.float32)
+# How close (logits of the exact model) two tokens may be where an int4 chat
+# parts from its lone answer: int4's bf16 graphs and eager steps stray from each
+# other by up to ~1.7 % of the largest logit, about 0.4 on these chats.
+INT4_NEAR_TIE = 0.5
 # int4 computes in bf16: only CPUs with bf16 units run it (a hardware condition).
 NEEDS_BF16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="no bf16 units: no int4")
 CASES = [
@@ -52,21 +63,21 @@ CASES = [
 ]
 if DEFAULT != "float16":
     CASES.append(pytest.param("float16", True, id="float16-compiled"))
-if DEFAULT != "int4":
-    CASES.append(
-        pytest.param(
-            "int4",
-            True,
-            id="int4-compiled",
-            marks=NEEDS_BF16,
-        )
-    )
+CASES.append(pytest.param("int4", True, id="int4-compiled", marks=NEEDS_BF16))
 
 
-def _check(result: dict, compile_decode: bool) -> None:
+def _check(
+    result: dict, compile_decode: bool, near_ties: dict[str, dict[str, float]] | None = None
+) -> None:
+    """``near_ties``: per run, the exact model's margins where int4's chats parted
+    from their lone answers (None: none may part)."""
     runs = result["runs"]
     for name, run in runs.items():
-        assert run["differing"] == {}, (name, result["weight_format"], run["differing"])
+        if near_ties is None:
+            assert run["differing"] == {}, (name, result["weight_format"], run["differing"])
+        else:
+            margins = near_ties[name]
+            assert all(margin <= INT4_NEAR_TIE for margin in margins.values()), (name, margins)
     overlapping = [runs["one worker"], runs["two workers"]]
     assert all(run["num_preemptions"] > 0 for run in overlapping)
     assert all(run["num_cached_tokens"] > 0 for run in overlapping)
@@ -91,7 +102,14 @@ def test_overlapping_chats_answer_as_each_alone(
 
     expected = DEFAULT if weight_format == "auto" else weight_format
     assert result["weight_format"] == expected
-    _check(result, compile_decode)
+    near_ties = None
+    if expected == "int4":
+        exact = load_model(prepared_model_dir, "cpu", "float32", "float32")
+        near_ties = {
+            name: overlap_scenario.divergence_margins(exact, chats, run["differing"])
+            for name, run in result["runs"].items()
+        }
+    _check(result, compile_decode, near_ties)
 
 
 @pytest.mark.skipif(
