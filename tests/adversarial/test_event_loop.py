@@ -19,6 +19,11 @@ HEAVY_STOP = ["s" * 64 for _ in range(16)]  # 1,024 bytes
 # Enough gaps that a p99 is not one gap: on a 2-core VM a lone stream's single
 # slowest gap varies several-fold from run to run, attacker or not.
 VICTIM_TOKENS = 96
+# What the attacker's tokenizing may add to the victim's p99 gap: on two cores the
+# worker's step waits for a core while a 100,000-character prompt is tokenized
+# (about 80 ms of one): p99 160 to 220 ms under attack against 36 to 64 alone
+# in the suite's runs. A stalled loop adds seconds.
+CPU_SHARE_SLACK_S = 0.25
 
 
 def _gaps_s(client: Client, client_id: str) -> list[float]:
@@ -68,4 +73,4 @@ def test_heavy_frames_do_not_stall_a_stream(service: Service) -> None:
     )
     assert num_heavy >= 10
     assert max(loaded) < 1.0, max(loaded)
-    assert _p99(loaded) < 3 * _p99(baseline) + 0.05, (_p99(loaded), _p99(baseline))
+    assert _p99(loaded) < 3 * _p99(baseline) + CPU_SHARE_SLACK_S, (_p99(loaded), _p99(baseline))
