@@ -8,8 +8,9 @@ WORKDIR /app
 # g++: the worker compiles a chat's decode step at start (torch.compile's inductor).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-# torch pinned first: an unpinned one pulls whatever build the resolver likes.
-RUN pip install --no-cache-dir "torch==2.13.0"
+# torch pinned first, and the CPU build: on PyPI even "torch==2.13.0" is the CUDA build
+# (several GB of nvidia-* packages); "+cpu" comes from PyTorch's CPU index.
+RUN pip install --no-cache-dir "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY gpu_worker ./gpu_worker

@@ -68,58 +68,58 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         labels = ["gateway"]
         self._ttft = Histogram(
-            "orcapod:time_to_first_token_seconds",
+            "orcapod_time_to_first_token_seconds",
             "Time from accepting a request to its first token.",
             labels,
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         ).labels(gateway_id)
         self._inter_token = Histogram(
-            "orcapod:inter_token_latency_seconds",
+            "orcapod_inter_token_latency_seconds",
             "Time between two tokens of one request, as sent to its client.",
             labels,
             buckets=INTER_TOKEN_BUCKETS_S,
             registry=self.registry,
         ).labels(gateway_id)
         self._e2e = Histogram(
-            "orcapod:e2e_request_latency_seconds",
+            "orcapod_e2e_request_latency_seconds",
             "Time from accepting a request to its end.",
             labels,
             buckets=E2E_BUCKETS_S,
             registry=self.registry,
         ).labels(gateway_id)
         self._success = Counter(
-            "orcapod:request_success",
+            "orcapod_request_success",
             "Requests that ended, by finish reason (stop, length, abort).",
             [*labels, "finished_reason"],
             registry=self.registry,
         )
         self._errors = Counter(
-            "orcapod:request_errors",
+            "orcapod_request_errors",
             "Error frames sent to clients, by protocol error code.",
             [*labels, "code"],
             registry=self.registry,
         )
         self._prompt_tokens = Counter(
-            "orcapod:prompt_tokens",
+            "orcapod_prompt_tokens",
             "Prompt tokens of the requests that ended.",
             labels,
             registry=self.registry,
         ).labels(gateway_id)
         self._generation_tokens = Counter(
-            "orcapod:generation_tokens",
+            "orcapod_generation_tokens",
             "Tokens generated for the requests that ended.",
             labels,
             registry=self.registry,
         ).labels(gateway_id)
         self._open_sockets = Gauge(
-            "orcapod:open_sockets",
+            "orcapod_open_sockets",
             "Open websockets.",
             labels,
             registry=self.registry,
         ).labels(gateway_id)
         self._http_in_flight = Gauge(
-            "orcapod:http_requests_in_flight",
+            "orcapod_http_requests_in_flight",
             "OpenAI API requests being answered.",
             labels,
             registry=self.registry,

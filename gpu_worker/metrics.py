@@ -98,7 +98,7 @@ class WorkerMetrics:
         self._busy = BusyWindow(window_s, clock())
         self._worker_id = worker_id
         self._step_time_s = Histogram(
-            "orcapod:step_time_seconds",
+            "orcapod_step_time_seconds",
             "Time of one forward pass (one plan) on the worker, by the path it took "
             "(gpu_worker/step_path.py: eager, eager+paged_attention, graph[1], ...).",
             ["worker", "path"],
@@ -106,14 +106,14 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self._batch_size = Histogram(
-            "orcapod:batch_size",
+            "orcapod_batch_size",
             "Requests in one step (prompt chunks and decodes).",
             ["worker"],
             buckets=BATCH_SIZE_BUCKETS,
             registry=self.registry,
         ).labels(worker_id)
         self._tokens_per_step = Histogram(
-            "orcapod:tokens_per_step",
+            "orcapod_tokens_per_step",
             "New tokens (prompt and decode) in one step.",
             ["worker"],
             buckets=TOKENS_PER_STEP_BUCKETS,
@@ -148,15 +148,15 @@ class _EngineView(Collector):
         # The engine thread writes these; reading an int or a float is atomic.
         labels = [self._worker_id]
         steps = CounterMetricFamily(
-            "orcapod:steps", "Forward passes the engine ran.", labels=["worker"]
+            "orcapod_steps", "Forward passes the engine ran.", labels=["worker"]
         )
         steps.add_metric(labels, self._stats.num_steps)
         busy_s = CounterMetricFamily(
-            "orcapod:busy_seconds", "Seconds spent in forward passes.", labels=["worker"]
+            "orcapod_busy_seconds", "Seconds spent in forward passes.", labels=["worker"]
         )
         busy_s.add_metric(labels, self._stats.busy_s)
         fraction = GaugeMetricFamily(
-            "orcapod:busy_fraction",
+            "orcapod_busy_fraction",
             f"Share of the last {self._busy.window_s:g} s spent in forward passes (0..1).",
             labels=["worker"],
         )

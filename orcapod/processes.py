@@ -1,7 +1,10 @@
 """Child processes of ``orcapod up``: start them, restart them, stop them in order.
 
-Each child gets ``PR_SET_PDEATHSIG`` (Linux), so even if the launcher itself
-is killed with SIGKILL, no actor is left running as an orphan. A child that
+Each child gets ``PR_SET_PDEATHSIG`` (Linux) and the read end of the
+launcher's lifeline (``shared/lifeline.py``), so even if the launcher itself
+is killed with SIGKILL, no actor is left running as an orphan: one forked as
+the launcher died ends at once, and an actor that takes the signal but does
+not stop (a worker compiling at start) ends a few seconds later. A child that
 exits on its own is started again under the same name with backoff
 (``RestartPolicy``); one that keeps exiting is a ``CrashLoopError``.
 """
@@ -17,17 +20,42 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+
+from shared.lifeline import LIFELINE_FD_ENV
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
-        pass  # not Linux: the launcher's own shutdown still stops its children
+        return  # not Linux: the launcher's own shutdown still stops its children
+    if os.getppid() != parent_pid:
+        # The launcher died between the fork and the prctl: no signal will come.
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Lifeline:
+    """The launcher's end of the lifeline: a pipe whose write end this process
+    holds until it dies (nothing is written); children get the read end."""
+
+    def __init__(self) -> None:
+        self._read_fd: int | None = None
+        self._write_fd: int | None = None  # kept open, never written: closed by our death
+
+    def read_fd(self) -> int:
+        if self._read_fd is None:
+            # Both ends non-inheritable (PEP 446): a child gets the read end
+            # through pass_fds only, and no child ever holds the write end.
+            self._read_fd, self._write_fd = os.pipe()
+        return self._read_fd
+
+
+_LIFELINE = _Lifeline()
 
 
 @dataclass
@@ -47,10 +75,13 @@ class Child:
 
 
 def _spawn(argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+    lifeline_fd = _LIFELINE.read_fd()
+    child_env = {**(os.environ if env is None else env), LIFELINE_FD_ENV: str(lifeline_fd)}
     return subprocess.Popen(
         argv,
-        env=env,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        env=child_env,
+        pass_fds=(lifeline_fd,),
+        preexec_fn=partial(_die_with_parent, os.getpid()) if sys.platform == "linux" else None,
         # Its own process group: Ctrl-C in the terminal reaches only the launcher,
         # which stops the children in order (a gateway drains while workers run).
         process_group=0,

@@ -27,13 +27,13 @@ class SchedulerMetrics:
         self._core_view = _CoreView()
         self.registry.register(self._core_view)
         self._num_plans = Counter(
-            "orcapod:plans",
+            "orcapod_plans",
             "Step plans sent to a worker (rate(): plans per second).",
             ["worker"],
             registry=self.registry,
         )
         self._num_preemptions = Counter(
-            "orcapod:num_preemptions",
+            "orcapod_num_preemptions",
             "Requests taken off a worker to be recomputed later (K/V ran out).",
             registry=self.registry,
         )
@@ -108,23 +108,23 @@ class _CoreView(Collector):
 def _prefix_cache_counters() -> tuple[CounterMetricFamily, ...]:
     return (
         CounterMetricFamily(
-            "orcapod:prefix_cache_queries",
+            "orcapod_prefix_cache_queries",
             "Placements that looked up a cached prompt prefix (all workers).",
         ),
         CounterMetricFamily(
-            "orcapod:prefix_cache_hits",
+            "orcapod_prefix_cache_hits",
             "Placements that found at least one cached block of their prompt.",
         ),
         CounterMetricFamily(
-            "orcapod:prefix_cache_query_tokens",
+            "orcapod_prefix_cache_query_tokens",
             "Prompt tokens looked up in the prefix cache.",
         ),
         CounterMetricFamily(
-            "orcapod:prefix_cache_hit_tokens",
+            "orcapod_prefix_cache_hit_tokens",
             "Prompt tokens whose K/V came from the prefix cache (not computed).",
         ),
         CounterMetricFamily(
-            "orcapod:prefix_cache_evictions",
+            "orcapod_prefix_cache_evictions",
             "Cached K/V blocks evicted to make room for new ones.",
         ),
     )
@@ -133,38 +133,38 @@ def _prefix_cache_counters() -> tuple[CounterMetricFamily, ...]:
 def _gauges() -> tuple[GaugeMetricFamily, ...]:
     return (
         GaugeMetricFamily(
-            "orcapod:num_requests_waiting",
+            "orcapod_num_requests_waiting",
             "Requests of a tenant on no worker (queued, or preempted).",
             labels=["tenant"],
         ),
         GaugeMetricFamily(
-            "orcapod:num_requests_running",
+            "orcapod_num_requests_running",
             "Requests of a tenant placed on a worker.",
             labels=["tenant"],
         ),
         GaugeMetricFamily(
-            "orcapod:kv_blocks_used",
+            "orcapod_kv_blocks_used",
             "K/V blocks of a worker the scheduler has handed out.",
             labels=["worker"],
         ),
         GaugeMetricFamily(
-            "orcapod:kv_blocks_total",
+            "orcapod_kv_blocks_total",
             "K/V blocks in a worker's pool.",
             labels=["worker"],
         ),
         GaugeMetricFamily(
-            "orcapod:kv_cache_usage_perc",
+            "orcapod_kv_cache_usage_perc",
             "Share of a worker's K/V blocks in use (1 = full).",
             labels=["worker"],
         ),
         GaugeMetricFamily(
-            "orcapod:vtc_service",
+            "orcapod_vtc_service",
             "A tenant's virtual token counter (VTC): weighted tokens served, "
             "divided by the tenant's weight.",
             labels=["tenant"],
         ),
         GaugeMetricFamily(
-            "orcapod:kv_blocks_cached",
+            "orcapod_kv_blocks_cached",
             "K/V blocks of a worker caching a prompt prefix (held or evictable).",
             labels=["worker"],
         ),

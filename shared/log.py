@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import structlog
 from redis.exceptions import AuthenticationError
 
+from shared.lifeline import watch_lifeline
+
 T = TypeVar("T")
 
 
@@ -58,9 +60,11 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
 
 
 def run_actor(program: str, main: Coroutine[Any, Any, None]) -> int:
-    """Run an actor's ``main`` to its end; its exit status: 0, or 2 when Redis
-    refused the login (no retry can help: the URL's user or password is wrong)."""
+    """Run an actor's ``main`` to its end, stopping it when the launcher that
+    started it is gone (``shared/lifeline.py``); its exit status: 0, or 2 when
+    Redis refused the login (no retry can help: the URL's user or password is wrong)."""
     refused: BaseException | None = None
+    watch_lifeline(program)
     try:
         run_event_loop(main)
     except* AuthenticationError as group:

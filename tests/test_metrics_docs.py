@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from gateway.metrics import GatewayMetrics
 from gpu_worker.engine import EngineStats
@@ -32,7 +33,8 @@ def _series(registry: CollectorRegistry) -> dict[str, str]:
     return {name: kind for name, kind in names.items() if not name.endswith("_created")}
 
 
-def _actor_series() -> dict[str, str]:
+def _actor_registries() -> list[CollectorRegistry]:
+    """The scheduler's, a worker's and a gateway's registries, each family with a sample."""
     core = Scheduler(SchedulerConfig(), lambda: 0.0)
     core.worker_joined("w", 16, 4)
     core.submit("r", "t", [1, 2], SamplingParams(max_tokens=2))
@@ -41,17 +43,23 @@ def _actor_series() -> dict[str, str]:
     plan = core.next_plan("w")
     assert plan is not None
     scheduler.plans_sent([plan], core)
+    return [
+        scheduler.registry,
+        WorkerMetrics("w", EngineStats()).registry,
+        GatewayMetrics("g").registry,
+    ]
+
+
+def _actor_series() -> dict[str, str]:
     return {
-        **_series(scheduler.registry),
-        **_series(WorkerMetrics("w", EngineStats()).registry),
-        **_series(GatewayMetrics("g").registry),
+        name: kind for registry in _actor_registries() for name, kind in _series(registry).items()
     }
 
 
 def test_every_metric_has_its_row_in_the_docs() -> None:
     text = (DOCS / "metrics.md").read_text()
     rows = {
-        match[1]: match[2] for match in re.finditer(r"^\| `(orcapod:\w+)` \| (\w+)", text, re.M)
+        match[1]: match[2] for match in re.finditer(r"^\| `(orcapod_\w+)` \| (\w+)", text, re.M)
     }
     series = _actor_series()
     assert len(series) == 29
@@ -77,7 +85,7 @@ def test_the_dashboard_queries_only_real_series() -> None:
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            for name in re.findall(r"orcapod:\w+", target["expr"]):
+            for name in re.findall(r"orcapod_\w+", target["expr"]):
                 base = next(
                     (name.removesuffix(s) for s in HISTOGRAM_SUFFIXES if name.endswith(s)), name
                 )
@@ -85,3 +93,34 @@ def test_the_dashboard_queries_only_real_series() -> None:
                 queried.add(base if base in histograms else name)
     # Every metric has a panel.
     assert queried == known, known - queried
+
+
+# What Prometheus 2.x (2.42, compose's v2.53.0) and 3.x send: 2.x asks for
+# OpenMetrics first, whose writer (prometheus_client >= 0.23) escapes colons in
+# names; 3.x allows UTF-8 names.
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+PROMETHEUS_3_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.5,*/*;q=0.1"
+)
+
+
+def test_prometheus_2_and_3_store_the_documented_names() -> None:
+    """Every name a scrape declares is one the docs and the dashboard use, whichever
+    format the scraper's Accept header picks (a name with a colon came out as
+    another under Prometheus 2.x: every query of the docs returned nothing)."""
+    documented = set(_actor_series())
+    families = {name.removesuffix("_total") for name in documented}
+    for accept in (PROMETHEUS_2_ACCEPT, PROMETHEUS_3_ACCEPT, "text/plain"):
+        for registry in _actor_registries():
+            encoder, _ = choose_encoder(accept)
+            text = encoder(registry).decode()
+            declared = re.findall(r"^# TYPE (\S+) ", text, re.M)
+            sampled = re.findall(r"^([^#\s{]+)", text, re.M)
+            assert declared and sampled, accept
+            for name in [*declared, *sampled]:
+                family = re.sub(r"_(total|bucket|sum|count|created)$", "", name)
+                assert family in families, (accept, name)

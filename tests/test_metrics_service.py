@@ -101,24 +101,24 @@ def test_scheduler_and_worker_serve_their_metrics(redis_server, service, ports) 
     pubsub.close()
 
     worker = scrape(ports["worker"])
-    steps = worker["orcapod:steps_total"][(("worker", "w1"),)]
+    steps = worker["orcapod_steps_total"][(("worker", "w1"),)]
     assert steps >= 5  # the prompt's step, then one per further token
     # One series per path the steps took; the suite's workers run eagerly.
-    step_counts = worker["orcapod:step_time_seconds_count"]
+    step_counts = worker["orcapod_step_time_seconds_count"]
     assert step_counts == {(("path", "eager"), ("worker", "w1")): steps}
-    assert worker["orcapod:tokens_per_step_sum"][(("worker", "w1"),)] == 6 + 4
+    assert worker["orcapod_tokens_per_step_sum"][(("worker", "w1"),)] == 6 + 4
 
     scheduler = scrape(ports["scheduler"])
-    assert scheduler["orcapod:plans_total"][(("worker", "w1"),)] >= steps
-    assert scheduler["orcapod:kv_blocks_total"][(("worker", "w1"),)] > 0
+    assert scheduler["orcapod_plans_total"][(("worker", "w1"),)] >= steps
+    assert scheduler["orcapod_kv_blocks_total"][(("worker", "w1"),)] > 0
     # The request ended (its last result may still be on its way back).
     deadline = time.monotonic() + 5
-    while scheduler.get("orcapod:num_requests_running"):
-        assert time.monotonic() < deadline, scheduler["orcapod:num_requests_running"]
+    while scheduler.get("orcapod_num_requests_running"):
+        assert time.monotonic() < deadline, scheduler["orcapod_num_requests_running"]
         time.sleep(0.05)
         scheduler = scrape(ports["scheduler"])
-    assert scheduler["orcapod:vtc_service"][(("tenant", "acme"),)] == 6 + 2 * 5
-    assert scheduler["orcapod:kv_blocks_used"][(("worker", "w1"),)] == 0
+    assert scheduler["orcapod_vtc_service"][(("tenant", "acme"),)] == 6 + 2 * 5
+    assert scheduler["orcapod_kv_blocks_used"][(("worker", "w1"),)] == 0
 
     for process in service.values():
         process.send_signal(signal.SIGTERM)

@@ -172,19 +172,19 @@ def test_up_prints_and_serves_the_actors_metrics(service):
     assert urls["gateway-1"] == f"http://127.0.0.1:{port + 1}/metrics"
     assert urls["scheduler"] != urls["worker-0"]
     deadline_s = time.monotonic() + 30
-    assert "orcapod:kv_blocks_total" in scrape_families(urls["scheduler"], deadline_s)
-    assert "orcapod:step_time_seconds" in scrape_families(urls["worker-0"], deadline_s)
+    assert "orcapod_kv_blocks_total" in scrape_families(urls["scheduler"], deadline_s)
+    assert "orcapod_step_time_seconds" in scrape_families(urls["worker-0"], deadline_s)
     # The overlapping chats above took the compiled paths a user's chats take.
     with urllib.request.urlopen(urls["worker-0"], timeout=5) as response:
         families = text_string_to_metric_families(response.read().decode())
     step_paths = {
         sample.labels["path"]
         for family in families
-        if family.name == "orcapod:step_time_seconds"
+        if family.name == "orcapod_step_time_seconds"
         for sample in family.samples
     }
     assert {"graph[1]", "eager+paged_attention"} <= step_paths, step_paths
-    assert "orcapod:time_to_first_token_seconds" in scrape_families(urls["gateway-0"], deadline_s)
+    assert "orcapod_time_to_first_token_seconds" in scrape_families(urls["gateway-0"], deadline_s)
 
 
 # Last: it stops the module's service.

@@ -301,7 +301,7 @@ def test_a_client_that_goes_away_cancels_its_request_at_once(
         assert server.session.num_live_requests == 0
         # Both count as aborted, though no frame said so (the cancel may reach
         # the scheduler a moment before the count is taken: look again briefly).
-        key = ("orcapod:request_success_total", (("finished_reason", "abort"),))
+        key = ("orcapod_request_success_total", (("finished_reason", "abort"),))
         deadline = loop.time() + 2.0
         while (await scrape(server)).get(key) != 2 and loop.time() < deadline:
             await asyncio.sleep(0.02)
@@ -490,15 +490,15 @@ def test_metrics_count_what_clients_were_sent(
             await receive_until_done(socket)
             await post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0})
             samples = await scrape(server)
-            assert samples[("orcapod:open_sockets", ())] == 1
-        assert samples[("orcapod:request_success_total", (("finished_reason", "length"),))] == 1
-        assert samples[("orcapod:request_errors_total", (("code", "invalid_request"),))] == 1
-        assert samples[("orcapod:time_to_first_token_seconds_count", ())] == 1
-        assert samples[("orcapod:e2e_request_latency_seconds_count", ())] == 1
-        assert samples[("orcapod:inter_token_latency_seconds_count", ())] == 2
-        assert samples[("orcapod:generation_tokens_total", ())] == 3
-        assert samples[("orcapod:http_requests_in_flight", ())] == 0
-        assert (await scrape(server))[("orcapod:open_sockets", ())] == 0
+            assert samples[("orcapod_open_sockets", ())] == 1
+        assert samples[("orcapod_request_success_total", (("finished_reason", "length"),))] == 1
+        assert samples[("orcapod_request_errors_total", (("code", "invalid_request"),))] == 1
+        assert samples[("orcapod_time_to_first_token_seconds_count", ())] == 1
+        assert samples[("orcapod_e2e_request_latency_seconds_count", ())] == 1
+        assert samples[("orcapod_inter_token_latency_seconds_count", ())] == 2
+        assert samples[("orcapod_generation_tokens_total", ())] == 3
+        assert samples[("orcapod_http_requests_in_flight", ())] == 0
+        assert (await scrape(server))[("orcapod_open_sockets", ())] == 0
 
     run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
 

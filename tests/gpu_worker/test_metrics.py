@@ -131,9 +131,9 @@ def test_engine_steps_fill_the_histograms_and_totals(model: LlamaModel) -> None:
 
     samples = parse(generate_latest(metrics.registry).decode())
     # The totals are the engine's own counters.
-    assert of_worker(samples, "orcapod:steps_total", "w") == engine.stats.num_steps == 5
-    assert of_worker(samples, "orcapod:busy_seconds_total", "w") == engine.stats.busy_s
-    step_time = "orcapod:step_time_seconds"
+    assert of_worker(samples, "orcapod_steps_total", "w") == engine.stats.num_steps == 5
+    assert of_worker(samples, "orcapod_busy_seconds_total", "w") == engine.stats.busy_s
+    step_time = "orcapod_step_time_seconds"
     assert of_worker(samples, f"{step_time}_count", "w") == 5
     assert of_worker(samples, f"{step_time}_sum", "w") == pytest.approx(sum(step_s))
     assert bucket(samples, step_time, "+Inf", "w") == 5
@@ -141,19 +141,19 @@ def test_engine_steps_fill_the_histograms_and_totals(model: LlamaModel) -> None:
     # Labelled by the path each step took (an eager engine: all eager).
     assert paths(samples, f"{step_time}_count", "w") == {"eager"}
     # Batch sizes 1, 2, 2, 2, 2; new tokens 3, 6, 2, 2, 2.
-    assert of_worker(samples, "orcapod:batch_size_count", "w") == 5
-    assert of_worker(samples, "orcapod:batch_size_sum", "w") == 9
-    assert bucket(samples, "orcapod:batch_size", "1.0", "w") == 1
-    assert bucket(samples, "orcapod:batch_size", "2.0", "w") == 5
-    assert of_worker(samples, "orcapod:tokens_per_step_sum", "w") == engine.stats.num_tokens == 15
-    assert bucket(samples, "orcapod:tokens_per_step", "2.0", "w") == 3
-    assert bucket(samples, "orcapod:tokens_per_step", "4.0", "w") == 4
+    assert of_worker(samples, "orcapod_batch_size_count", "w") == 5
+    assert of_worker(samples, "orcapod_batch_size_sum", "w") == 9
+    assert bucket(samples, "orcapod_batch_size", "1.0", "w") == 1
+    assert bucket(samples, "orcapod_batch_size", "2.0", "w") == 5
+    assert of_worker(samples, "orcapod_tokens_per_step_sum", "w") == engine.stats.num_tokens == 15
+    assert bucket(samples, "orcapod_tokens_per_step", "2.0", "w") == 3
+    assert bucket(samples, "orcapod_tokens_per_step", "4.0", "w") == 4
     # All five steps ended within the last 5 s of the fake clock (2.5 s elapsed).
-    busy = of_worker(samples, "orcapod:busy_fraction", "w")
+    busy = of_worker(samples, "orcapod_busy_fraction", "w")
     assert busy == pytest.approx(sum(step_s) / 2.5)
     clock.now_s += 10
     idle = parse(generate_latest(metrics.registry).decode())
-    assert of_worker(idle, "orcapod:busy_fraction", "w") == 0.0
+    assert of_worker(idle, "orcapod_busy_fraction", "w") == 0.0
 
 
 def test_the_worker_actor_reports_its_steps_over_http(redis_server, model: LlamaModel) -> None:
@@ -196,10 +196,10 @@ def test_the_worker_actor_reports_its_steps_over_http(redis_server, model: Llama
             await test_redis.aclose()
 
     samples = parse(asyncio.run(main()))
-    assert of_worker(samples, "orcapod:steps_total") == engine.stats.num_steps == 3
-    assert of_worker(samples, "orcapod:step_time_seconds_count") == 3
-    assert of_worker(samples, "orcapod:step_time_seconds_sum") == pytest.approx(engine.stats.busy_s)
+    assert of_worker(samples, "orcapod_steps_total") == engine.stats.num_steps == 3
+    assert of_worker(samples, "orcapod_step_time_seconds_count") == 3
+    assert of_worker(samples, "orcapod_step_time_seconds_sum") == pytest.approx(engine.stats.busy_s)
     # Both requests in every step; their prompts (4 + 3 tokens), then one token each.
-    assert of_worker(samples, "orcapod:batch_size_sum") == 6
-    assert of_worker(samples, "orcapod:tokens_per_step_sum") == engine.stats.num_tokens == 11
-    assert 0 < of_worker(samples, "orcapod:busy_fraction") <= 1
+    assert of_worker(samples, "orcapod_batch_size_sum") == 6
+    assert of_worker(samples, "orcapod_tokens_per_step_sum") == engine.stats.num_tokens == 11
+    assert 0 < of_worker(samples, "orcapod_busy_fraction") <= 1

@@ -59,10 +59,10 @@ def test_a_turn_shows_in_the_gauges_and_counters() -> None:
     _submit(core, "b", "alice", 8, 4)
     _submit(core, "c", "bob", 8, 4)
     before = scrape(metrics)
-    assert by(before, "orcapod:num_requests_waiting", "tenant") == {"alice": 2, "bob": 1}
-    assert by(before, "orcapod:num_requests_running", "tenant") == {"alice": 0, "bob": 0}
-    assert by(before, "orcapod:kv_blocks_used", "worker") == {"w1": 0, "w2": 0}
-    assert by(before, "orcapod:kv_blocks_total", "worker") == {"w1": 8, "w2": 12}
+    assert by(before, "orcapod_num_requests_waiting", "tenant") == {"alice": 2, "bob": 1}
+    assert by(before, "orcapod_num_requests_running", "tenant") == {"alice": 0, "bob": 0}
+    assert by(before, "orcapod_kv_blocks_used", "worker") == {"w1": 0, "w2": 0}
+    assert by(before, "orcapod_kv_blocks_total", "worker") == {"w1": 8, "w2": 12}
 
     # Each request goes where the most K/V is free: a and c on w2, b on w1.
     plans = [plan for worker in ("w2", "w1") if (plan := core.next_plan(worker))]
@@ -71,19 +71,19 @@ def test_a_turn_shows_in_the_gauges_and_counters() -> None:
     # Exactly what the core's own bookkeeping says.
     tenants = core.tenants
     for tenant in ("alice", "bob"):
-        waiting = by(after, "orcapod:num_requests_waiting", "tenant")[tenant]
-        running = by(after, "orcapod:num_requests_running", "tenant")[tenant]
+        waiting = by(after, "orcapod_num_requests_waiting", "tenant")[tenant]
+        running = by(after, "orcapod_num_requests_running", "tenant")[tenant]
         assert (waiting, running) == (tenants.num_waiting(tenant), tenants.num_running(tenant))
-    assert by(after, "orcapod:num_requests_running", "tenant") == {"alice": 2, "bob": 1}
-    used = by(after, "orcapod:kv_blocks_used", "worker")
-    usage = by(after, "orcapod:kv_cache_usage_perc", "worker")
+    assert by(after, "orcapod_num_requests_running", "tenant") == {"alice": 2, "bob": 1}
+    used = by(after, "orcapod_kv_blocks_used", "worker")
+    usage = by(after, "orcapod_kv_cache_usage_perc", "worker")
     for worker_id, worker in core.workers.items():
         assert used[worker_id] == worker.ledger.num_used > 0
         assert usage[worker_id] == worker.ledger.num_used / worker.ledger.num_blocks
-    assert by(after, "orcapod:vtc_service", "tenant") == dict(core.vtc.counters)
-    assert by(after, "orcapod:vtc_service", "tenant") == {"alice": 16, "bob": 8}  # prompts
-    assert by(after, "orcapod:plans_total", "worker") == {"w1": 1, "w2": 1}
-    assert after["orcapod:num_preemptions_total"][()] == 0
+    assert by(after, "orcapod_vtc_service", "tenant") == dict(core.vtc.counters)
+    assert by(after, "orcapod_vtc_service", "tenant") == {"alice": 16, "bob": 8}  # prompts
+    assert by(after, "orcapod_plans_total", "worker") == {"w1": 1, "w2": 1}
+    assert after["orcapod_num_preemptions_total"][()] == 0
 
 
 def test_preemptions_count_every_recompute_and_no_cancel() -> None:
@@ -114,8 +114,8 @@ def test_preemptions_count_every_recompute_and_no_cancel() -> None:
     num_preemptions = sum(item.num_preemptions for item in finished.values())
     assert num_preemptions >= 2
     samples = scrape(metrics)
-    assert samples["orcapod:num_preemptions_total"][()] == num_preemptions
-    assert samples["orcapod:plans_total"][(("worker", "w"),)] == num_plans
+    assert samples["orcapod_num_preemptions_total"][()] == num_preemptions
+    assert samples["orcapod_plans_total"][(("worker", "w"),)] == num_plans
 
 
 def test_gone_tenants_and_workers_leave_the_scrape() -> None:
@@ -126,23 +126,23 @@ def test_gone_tenants_and_workers_leave_the_scrape() -> None:
     core.worker_joined("w2", num_blocks=16, block_size=4)
     _submit(core, "a", "alice", 4, 4)
     _submit(core, "b", "bob", 4, 4)
-    assert set(by(scrape(metrics), "orcapod:num_requests_waiting", "tenant")) == {"alice", "bob"}
+    assert set(by(scrape(metrics), "orcapod_num_requests_waiting", "tenant")) == {"alice", "bob"}
     core.cancel("a")
     core.worker_lost("w2")
     samples = scrape(metrics)
-    assert set(by(samples, "orcapod:num_requests_waiting", "tenant")) == {"bob"}
-    assert set(by(samples, "orcapod:kv_blocks_total", "worker")) == {"w1"}
+    assert set(by(samples, "orcapod_num_requests_waiting", "tenant")) == {"bob"}
+    assert set(by(samples, "orcapod_kv_blocks_total", "worker")) == {"w1"}
     # A new incarnation's core: nothing of the old one is reported.
     metrics.watch(_core())
     samples = scrape(metrics)
-    for name in ("orcapod:num_requests_waiting", "orcapod:kv_blocks_total", "orcapod:vtc_service"):
+    for name in ("orcapod_num_requests_waiting", "orcapod_kv_blocks_total", "orcapod_vtc_service"):
         assert name not in samples
 
 
 def test_before_any_core_the_registry_scrapes_empty_gauges() -> None:
     samples = scrape(SchedulerMetrics())
-    assert "orcapod:kv_blocks_used" not in samples
-    assert samples["orcapod:num_preemptions_total"][()] == 0
+    assert "orcapod_kv_blocks_used" not in samples
+    assert samples["orcapod_num_preemptions_total"][()] == 0
 
 
 def test_the_actor_reports_each_turn(redis_server) -> None:
@@ -169,7 +169,7 @@ def test_the_actor_reports_each_turn(redis_server) -> None:
                     while True:
                         samples = scrape(actor.metrics)
                         num_sent = await test_redis.xlen(KEYS.plans("w1"))
-                        if by(samples, "orcapod:plans_total", "worker") == {"w1": num_sent}:
+                        if by(samples, "orcapod_plans_total", "worker") == {"w1": num_sent}:
                             return samples
                         assert time.monotonic() < deadline, (samples, num_sent)
                         await asyncio.sleep(0.01)
@@ -180,7 +180,7 @@ def test_the_actor_reports_each_turn(redis_server) -> None:
             await test_redis.aclose()
 
     samples = asyncio.run(main())
-    assert by(samples, "orcapod:num_requests_running", "tenant") == {"tenant": 1}
-    assert by(samples, "orcapod:kv_blocks_used", "worker") == {"w1": 2}  # 20 tokens, 16 a block
-    assert by(samples, "orcapod:kv_blocks_total", "worker") == {"w1": 64}
-    assert by(samples, "orcapod:vtc_service", "tenant") == {"tenant": 20}
+    assert by(samples, "orcapod_num_requests_running", "tenant") == {"tenant": 1}
+    assert by(samples, "orcapod_kv_blocks_used", "worker") == {"w1": 2}  # 20 tokens, 16 a block
+    assert by(samples, "orcapod_kv_blocks_total", "worker") == {"w1": 64}
+    assert by(samples, "orcapod_vtc_service", "tenant") == {"tenant": 20}

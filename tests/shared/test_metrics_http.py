@@ -17,8 +17,8 @@ from shared.metrics_http import metrics_handler, metrics_url, run_with_metrics, 
 
 def _registry() -> CollectorRegistry:
     registry = CollectorRegistry()
-    Counter("orcapod:things", "Things.", ["worker"], registry=registry).labels("w1").inc(3)
-    Gauge("orcapod:level", "A level.", registry=registry).set(0.25)
+    Counter("orcapod_things", "Things.", ["worker"], registry=registry).labels("w1").inc(3)
+    Gauge("orcapod_level", "A level.", registry=registry).set(0.25)
     return registry
 
 
@@ -55,11 +55,11 @@ def test_a_scrape_returns_the_registry_in_the_text_format() -> None:
         assert status == 200
         assert content_type.startswith("text/plain; version=0.0.4")
         samples = _samples(text)
-        assert samples[("orcapod:things_total", (("worker", "w1"),))] == 3.0
-        assert samples[("orcapod:level", ())] == 0.25
+        assert samples[("orcapod_things_total", (("worker", "w1"),))] == 3.0
+        assert samples[("orcapod_level", ())] == 0.25
         families = {family.name: family.type for family in text_string_to_metric_families(text)}
-        assert families["orcapod:things"] == "counter"
-        assert families["orcapod:level"] == "gauge"
+        assert families["orcapod_things"] == "counter"
+        assert families["orcapod_level"] == "gauge"
 
     asyncio.run(main())
 
@@ -80,7 +80,7 @@ def test_the_format_follows_the_accept_header() -> None:
 
 def test_each_scrape_sees_the_registry_as_it_is_now() -> None:
     registry = CollectorRegistry()
-    gauge = Gauge("orcapod:level", "A level.", registry=registry)
+    gauge = Gauge("orcapod_level", "A level.", registry=registry)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -92,8 +92,8 @@ def test_each_scrape_sees_the_registry_as_it_is_now() -> None:
             gauge.set(7)
             second = _samples((await _get(url))[2])
             stop.set()
-        assert first[("orcapod:level", ())] == 1
-        assert second[("orcapod:level", ())] == 7
+        assert first[("orcapod_level", ())] == 1
+        assert second[("orcapod_level", ())] == 7
 
     asyncio.run(main())
 
@@ -140,7 +140,7 @@ def test_the_handler_mounts_on_another_app() -> None:
         finally:
             await runner.cleanup()
 
-    assert _samples(asyncio.run(main()))[("orcapod:things_total", (("worker", "w1"),))] == 3.0
+    assert _samples(asyncio.run(main()))[("orcapod_things_total", (("worker", "w1"),))] == 3.0
 
 
 def test_run_with_metrics_serves_while_main_runs_and_stops_with_it() -> None:
@@ -159,7 +159,7 @@ def test_run_with_metrics_serves_while_main_runs_and_stops_with_it() -> None:
                 await asyncio.sleep(0.05)
 
     asyncio.run(run_with_metrics(actor(), _registry(), "127.0.0.1", port))
-    assert _samples(scraped[0])[("orcapod:level", ())] == 0.25
+    assert _samples(scraped[0])[("orcapod_level", ())] == 0.25
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass
 
