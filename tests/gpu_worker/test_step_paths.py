@@ -63,7 +63,15 @@ CASES = [
 ]
 if DEFAULT != "float16":
     CASES.append(pytest.param("float16", True, id="float16-compiled"))
-CASES.append(pytest.param("int4", True, id="int4-compiled", marks=NEEDS_BF16))
+# int4 compiled (not a default; --weights int4 only) is not run here: its three
+# graphs cost the suite two minutes on two cores from a cold compile cache, which
+# the 20-minute budget cannot hold. Its graphs are checked against its eager
+# forward in test_compiled_decode.py (test_int4_batches_take_the_graph_of_their_range)
+# and, in every worker that compiles them, by the start-up path probe.
+# ORCAPOD_TEST_INT4_COMPILED=1 runs it here too (2026-12-04, an avx512_bf16
+# EPYC: it passed, every parting at a near-tie of 0.004 to 0.14).
+if os.environ.get("ORCAPOD_TEST_INT4_COMPILED") == "1":
+    CASES.append(pytest.param("int4", True, id="int4-compiled", marks=NEEDS_BF16))
 
 
 def _check(
