@@ -66,8 +66,6 @@ BATCH_MAX_REQUESTS = 4096
 # How far the compiled step's logits may stray from the eager forward's on the
 # warm-up step, relative to the largest logit (fused loops round differently).
 MAX_LOGIT_ERROR = 1e-3
-# The same where the graph's matmuls run in bf16 (int4's copy, for batches).
-MAX_BF16_LOGIT_ERROR = BF16_LOGIT_ERROR
 
 _log = structlog.get_logger(__name__)
 # Traced once per graph and stamped out for every layer (inductor's codegen of the
@@ -354,7 +352,7 @@ class CompiledDecode:
             # Checked against the eager forward at the same size, whose matrices
             # take the same kernels (int4's bf16 copy rounds in bf16: a looser bound).
             in_bf16 = any(matrix.computes_dense_bf16(min_requests) for matrix in _packed(matrices))
-            max_error = MAX_BF16_LOGIT_ERROR if in_bf16 else MAX_LOGIT_ERROR
+            max_error = BF16_LOGIT_ERROR if in_bf16 else MAX_LOGIT_ERROR
             graph = _DecodeGraph(
                 self.model, self.kv_cache, min_requests, max_requests, self.max_blocks, False,
                 max_error,

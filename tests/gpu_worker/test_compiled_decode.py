@@ -434,7 +434,7 @@ def test_int4_batches_take_the_graph_of_their_range(tmp_path, monkeypatch) -> No
     ranges = [(graph.min_requests, graph.max_requests) for graph in runner.graphs]
     assert ranges == [(1, 1), *compiled_decode.batch_ranges(compiled_decode.layer_matrices(model))]
     for size, bound in ((3, compiled_decode.MAX_LOGIT_ERROR),
-                        (INT4_MAX_ROWS + 2, compiled_decode.MAX_BF16_LOGIT_ERROR)):  # fmt: skip
+                        (INT4_MAX_ROWS + 2, quantized_linear.BF16_LOGIT_ERROR)):  # fmt: skip
         layout = [SequenceLayout(i, 1, 2 + i, [3 * i, 3 * i + 1, 3 * i + 2]) for i in range(size)]
         token_ids, positions = [5 + i for i in range(size)], [2 + i for i in range(size)]
         slots = [3 * i * BLOCK_SIZE + 2 + i for i in range(size)]
