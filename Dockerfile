@@ -9,8 +9,12 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 # torch pinned first, and the CPU build: on PyPI even "torch==2.13.0" is the CUDA build
-# (several GB of nvidia-* packages); "+cpu" comes from PyTorch's CPU index.
-RUN pip install --no-cache-dir "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+# (several GB of nvidia-* packages); "+cpu" comes from PyTorch's CPU index. Where that
+# index cannot be reached, the default index's torch, and the build log says so.
+RUN pip install --no-cache-dir "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu \
+    && echo "torch: the CPU build (torch==2.13.0+cpu)" \
+    || { echo "note: PyTorch's CPU index unreachable; torch==2.13.0 from the default index" \
+         && pip install --no-cache-dir "torch==2.13.0"; }
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY gpu_worker ./gpu_worker

@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         redis=f"{redis_address.hostname}:{redis_address.port}",
     )
     try:
-        return run_actor("python -m gateway", serve_until_signalled(settings))
+        return run_actor("python -m gateway", serve_until_signalled(settings), settings.redis)
     except TenantConfigError as error:
         print(f"python -m gateway: {error}", file=sys.stderr)
         return 2

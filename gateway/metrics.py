@@ -13,116 +13,74 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.actions import ServerFrame
+from shared.metric_buckets import INTER_TOKEN_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S
+from shared.metrics_labels import labelled_registry
 from shared.protocol import Done, Error, Token
-
-# vLLM's buckets for the same histograms (seconds).
-TTFT_BUCKETS_S = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-INTER_TOKEN_BUCKETS_S = (
-    0.001,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
 
 
 class GatewayMetrics:
-    """Every metric of one gateway, labelled ``gateway``."""
+    """Every metric of one gateway, labelled ``gateway`` and ``model_name``."""
 
-    def __init__(self, gateway_id: str) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, gateway_id: str, model_name: str = "") -> None:
+        own = CollectorRegistry()
+        self.registry = labelled_registry(own, {"model_name": model_name})
         labels = ["gateway"]
         self._ttft = Histogram(
             "orcapod_time_to_first_token_seconds",
             "Time from accepting a request to its first token.",
             labels,
             buckets=TTFT_BUCKETS_S,
-            registry=self.registry,
+            registry=own,
         ).labels(gateway_id)
         self._inter_token = Histogram(
             "orcapod_inter_token_latency_seconds",
             "Time between two tokens of one request, as sent to its client.",
             labels,
             buckets=INTER_TOKEN_BUCKETS_S,
-            registry=self.registry,
+            registry=own,
         ).labels(gateway_id)
         self._e2e = Histogram(
             "orcapod_e2e_request_latency_seconds",
             "Time from accepting a request to its end.",
             labels,
-            buckets=E2E_BUCKETS_S,
-            registry=self.registry,
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=own,
         ).labels(gateway_id)
         self._success = Counter(
             "orcapod_request_success",
             "Requests that ended, by finish reason (stop, length, abort).",
             [*labels, "finished_reason"],
-            registry=self.registry,
+            registry=own,
         )
         self._errors = Counter(
             "orcapod_request_errors",
-            "Error frames sent to clients, by protocol error code.",
+            "Errors sent to clients, by code (an error frame's, or an HTTP refusal's).",
             [*labels, "code"],
-            registry=self.registry,
+            registry=own,
         )
         self._prompt_tokens = Counter(
             "orcapod_prompt_tokens",
             "Prompt tokens of the requests that ended.",
             labels,
-            registry=self.registry,
+            registry=own,
         ).labels(gateway_id)
         self._generation_tokens = Counter(
             "orcapod_generation_tokens",
             "Tokens generated for the requests that ended.",
             labels,
-            registry=self.registry,
+            registry=own,
         ).labels(gateway_id)
         self._open_sockets = Gauge(
             "orcapod_open_sockets",
             "Open websockets.",
             labels,
-            registry=self.registry,
+            registry=own,
         ).labels(gateway_id)
         self._http_in_flight = Gauge(
             "orcapod_http_requests_in_flight",
             "OpenAI API requests being answered.",
             labels,
-            registry=self.registry,
+            registry=own,
         ).labels(gateway_id)
         self._gateway_id = gateway_id
         # Per connection, per client id: when its last token was sent.
@@ -148,7 +106,12 @@ class GatewayMetrics:
         elif isinstance(frame, Error):
             if frame.id is not None:
                 self._ended(socket_id, frame.id)
-            self._errors.labels(self._gateway_id, frame.code).inc()
+            self.count_error(frame.code)
+
+    def count_error(self, code: str) -> None:
+        """One error sent to a client: an ``error`` frame's protocol code, or the
+        code of an OpenAI API refusal that no frame carried (``gateway/openai_endpoint.py``)."""
+        self._errors.labels(self._gateway_id, code).inc()
 
     def socket_opened(self) -> None:
         self._open_sockets.inc()

@@ -55,6 +55,18 @@ class OpenAIError(Exception):
             _ErrorBody(_ErrorDetail(self.message, self.type, self.param, self.code))
         )
 
+    @property
+    def metric_code(self) -> str:
+        """The ``code`` it is counted under in ``orcapod_request_errors_total``:
+        OpenAI's code when it has one; a 400 without one is ``invalid_request``,
+        as the core's refusal of a bad field is; else the status
+        (``forbidden``, ``not_found``, ``method_not_allowed``)."""
+        if self.code is not None:
+            return self.code
+        if self.status == HTTPStatus.BAD_REQUEST:
+            return "invalid_request"
+        return HTTPStatus(self.status).phrase.lower().replace(" ", "_")
+
 
 def invalid(message: str, param: str | None = None) -> OpenAIError:
     """A 400 for a request that can never succeed as sent."""
@@ -86,11 +98,24 @@ def unauthorized(message: str) -> OpenAIError:
     )
 
 
+def model_not_found(requested: str, served_model: str, param: str | None) -> OpenAIError:
+    """A 404 for a model this server does not serve (``param``: the body's
+    ``model``; None for the one in ``GET /v1/models/{model}``'s path)."""
+    return OpenAIError(
+        HTTPStatus.NOT_FOUND,
+        f"the model {requested!r} does not exist; this server serves {served_model!r}",
+        param=param,
+        code="model_not_found",
+    )
+
+
 # --- request bodies ------------------------------------------------------------------
 
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -170,7 +195,11 @@ class ParsedRequest:
     kind: Kind
     generate: Generate
     stream: bool
+    # A last chunk with the usage (stream_options.include_usage).
     include_usage: bool
+    # The usage so far in every chunk too (and continuous_usage_stats, as vLLM
+    # takes it: without include_usage it asks for nothing).
+    continuous_usage: bool
 
 
 def parse_chat(body: bytes, served_model: str) -> ParsedRequest:
@@ -281,12 +310,7 @@ def _generate(
     **prompt: Any,
 ) -> Generate:
     if request.model is not None and request.model != served_model:
-        raise OpenAIError(
-            HTTPStatus.NOT_FOUND,
-            f"the model {request.model!r} does not exist; this server serves {served_model!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(request.model, served_model, "model")
     if request.n not in (None, 1):
         raise invalid("n must be 1 (one choice per request)", "n")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -312,10 +336,12 @@ def _generate(
 
 
 def _parsed(kind: Kind, request: _SamplingFields, generate: Generate) -> ParsedRequest:
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
-    if request.stream_options is not None and not request.stream:
+    options = request.stream_options
+    if options is not None and not request.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
-    return ParsedRequest(kind, generate, bool(request.stream), include_usage)
+    include_usage = options is not None and options.include_usage
+    continuous_usage = include_usage and options is not None and options.continuous_usage_stats
+    return ParsedRequest(kind, generate, bool(request.stream), include_usage, continuous_usage)
 
 
 # --- responses -----------------------------------------------------------------------
@@ -336,7 +362,8 @@ class UsageOut(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    # Known at the end (the prefix cache's share): absent from a chunk's usage so far.
+    prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 class _Delta(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -388,7 +415,9 @@ class Reply:
     Streaming: :meth:`head` once, then :meth:`token` per token and
     :meth:`done` or :meth:`stream_error` at the end, each the bytes of
     server-sent events. Otherwise: :meth:`token` gathers the text and
-    :meth:`done` gives the one JSON body.
+    :meth:`done` gives the one JSON body. ``num_prompt_tokens`` is the
+    prompt's length as tokenized, for the usage so far in each chunk
+    (``continuous_usage_stats``).
     """
 
     def __init__(
@@ -396,12 +425,15 @@ class Reply:
         parsed: ParsedRequest,
         served_model: str,
         request_id: str,
+        *,
+        num_prompt_tokens: int,
         created: int | None = None,
     ) -> None:
         self._parsed = parsed
         self._model = served_model
         prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
         self._id = prefix + request_id
+        self._num_prompt_tokens = num_prompt_tokens
         self._created = int(time.time()) if created is None else created
         self._texts: list[str] = []
 
@@ -415,16 +447,18 @@ class Reply:
             raise ValueError("head() is for streaming replies")
         if not self.is_chat:
             return b""
-        return self._event(_Delta(role="assistant", content=""), None)
+        return self._event(_Delta(role="assistant", content=""), None, self._usage_so_far(0))
 
-    def token(self, text: str) -> bytes:
-        """One token's text: an event when streaming (none for empty text), else kept."""
+    def token(self, text: str, num_completion_tokens: int) -> bytes:
+        """One token's text, the request's ``num_completion_tokens``-th: an event
+        when streaming (none for empty text), else kept."""
         if not self._parsed.stream:
             self._texts.append(text)
             return b""
         if not text:
             return b""
-        return self._event(_Delta(content=text), None, text)
+        usage = self._usage_so_far(num_completion_tokens)
+        return self._event(_Delta(content=text), None, usage, text)
 
     def done(self, done: Done) -> bytes:
         """The end: a stream's last events and ``[DONE]``, or the whole JSON body."""
@@ -447,7 +481,8 @@ class Reply:
             return _encoder.encode(
                 _Response(self._id, kind, self._created, self._model, choices, usage)
             )
-        events = self._event(_Delta(), finish_reason)
+        usage_so_far = self._usage_so_far(done.usage.completion_tokens)
+        events = self._event(_Delta(), finish_reason, usage_so_far)
         if self._parsed.include_usage:
             events += _sse(self._response([], usage))
         return events + SSE_DONE
@@ -456,14 +491,30 @@ class Reply:
         """An error after the stream began: an ``error`` event, then ``[DONE]``."""
         return b"data: " + error.body() + b"\n\n" + SSE_DONE
 
-    def _event(self, delta: _Delta, finish_reason: str | None, text: str = "") -> bytes:
+    def _usage_so_far(self, num_completion_tokens: int) -> UsageOut | msgspec.UnsetType | None:
+        """A chunk's ``usage``: the counts so far with continuous_usage_stats;
+        else ``null`` with include_usage (only the last chunk has them), as
+        OpenAI sends it; else none."""
+        if self._parsed.continuous_usage:
+            return UsageOut(
+                prompt_tokens=self._num_prompt_tokens,
+                completion_tokens=num_completion_tokens,
+                total_tokens=self._num_prompt_tokens + num_completion_tokens,
+            )
+        return None if self._parsed.include_usage else msgspec.UNSET
+
+    def _event(
+        self,
+        delta: _Delta,
+        finish_reason: str | None,
+        usage: UsageOut | msgspec.UnsetType | None,
+        text: str = "",
+    ) -> bytes:
         choice: Any
         if self.is_chat:
             choice = _ChatChunkChoice(0, delta, None, finish_reason)
         else:
             choice = _TextChoice(0, text, None, finish_reason)
-        # With include_usage every chunk but the last carries "usage": null.
-        usage = None if self._parsed.include_usage else msgspec.UNSET
         return _sse(self._response([choice], usage))
 
     def _response(
@@ -532,5 +583,13 @@ class _ModelList(msgspec.Struct, frozen=True):
 
 def models_body(served_model: str, context_tokens: int, created: int) -> bytes:
     """``GET /v1/models``: the one model this service serves."""
-    model = _Model(served_model, "model", created, "orcapod", context_tokens)
-    return _encoder.encode(_ModelList("list", [model]))
+    return _encoder.encode(_ModelList("list", [_model(served_model, context_tokens, created)]))
+
+
+def model_body(served_model: str, context_tokens: int, created: int) -> bytes:
+    """``GET /v1/models/{model}``: the model, as ``GET /v1/models`` lists it."""
+    return _encoder.encode(_model(served_model, context_tokens, created))
+
+
+def _model(served_model: str, context_tokens: int, created: int) -> _Model:
+    return _Model(served_model, "model", created, "orcapod", context_tokens)

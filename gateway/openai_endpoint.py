@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API of a gateway: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``.
+``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``.
 
 A thin shell. Each request is one virtual socket of the same
 :class:`gateway.session.GatewaySession` that serves the websockets, so keys,
@@ -8,7 +8,9 @@ the body becomes a ``generate`` (``gateway/openai_api.py``), the core admits
 and answers it with frames, and :class:`Exchange` turns those frames into
 the response, JSON or server-sent events through a bounded
 :class:`gateway.outbox.Outbox`. A client that goes away (aiohttp cancels its
-handler) cancels its request at once: HTTP has no ``resume``.
+handler) cancels its request at once: HTTP has no ``resume``. Every error
+response it sends is counted in the gateway's metrics, once: the core's
+refusals as the frames they came in, the rest here.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from aiohttp import web
 
 from gateway.actions import Action, ServerFrame
 from gateway.handshake import Admitted, HandshakeRefused
+from gateway.metrics import GatewayMetrics
 from gateway.openai_api import (
     OpenAIError,
     ParsedRequest,
     Reply,
     error_of_frame,
+    model_body,
+    model_not_found,
     models_body,
     parse_chat,
     parse_completion,
@@ -45,6 +50,9 @@ API_PREFIX = "/v1/"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
+# A model id may hold a `/` (`HuggingFaceTB/SmolLM2-135M-Instruct`), sent as
+# it is or as `%2F` (the `openai` client's way).
+MODEL_PATH = MODELS_PATH + "/{model:.+}"
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -61,6 +69,9 @@ class ExchangeHost(Protocol):
 
     @property
     def draining(self) -> bool: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
 
     def admit(self, request: web.Request) -> Admitted:
         """Who the request is (raises HandshakeRefused: 401, 403)."""
@@ -82,12 +93,23 @@ class Exchange:
 
     Until the first token (or the end) nothing is answered, so a refusal
     (a bad prompt, a full queue) is a plain HTTP error with its status; after
-    it, a stream's error is an ``error`` event.
+    it, a stream's error is an ``error`` event. ``num_prompt_tokens_of`` gives
+    an accepted request's prompt length; ``count_error`` counts an error that
+    came in no frame (:meth:`end_with`).
     """
 
-    def __init__(self, parsed: ParsedRequest, served_model: str, max_outbox_bytes: int) -> None:
+    def __init__(
+        self,
+        parsed: ParsedRequest,
+        served_model: str,
+        max_outbox_bytes: int,
+        num_prompt_tokens_of: Callable[[str], int],
+        count_error: Callable[[OpenAIError], None],
+    ) -> None:
         self.parsed = parsed
         self._served_model = served_model
+        self._num_prompt_tokens_of = num_prompt_tokens_of
+        self._count_error = count_error
         self.outbox = Outbox(max_outbox_bytes)
         self._reply: Reply | None = None
         # Set on the first token, the end or an error: the response can begin.
@@ -100,17 +122,24 @@ class Exchange:
     def put(self, frame: ServerFrame) -> bool:
         """A frame the core sent; False when the outbox went over its cap."""
         if isinstance(frame, Accepted):
-            self._reply = Reply(self.parsed, self._served_model, frame.request_id)
+            num_prompt_tokens = self._num_prompt_tokens_of(frame.request_id)
+            self._reply = Reply(
+                self.parsed,
+                self._served_model,
+                frame.request_id,
+                num_prompt_tokens=num_prompt_tokens,
+            )
             return True
         if self.finished.is_set():
             return True
         if isinstance(frame, Error):
             return self._error(error_of_frame(frame))
         if self._reply is None:  # never before `accepted`; named all the same
-            self._reply = Reply(self.parsed, self._served_model, "unaccepted")
+            self._reply = Reply(self.parsed, self._served_model, "unaccepted", num_prompt_tokens=0)
         reply = self._reply
         if isinstance(frame, Token):
-            data = reply.token(frame.text)
+            # `seq` counts the request's tokens from 0.
+            data = reply.token(frame.text, frame.seq + 1)
             if self.parsed.stream and not self.started.is_set():
                 data = reply.head() + data
         else:
@@ -130,6 +159,7 @@ class Exchange:
         """End the response now with ``error`` (once streaming: an error event,
         then ``[DONE]``); what the core sends later is dropped."""
         if not self.finished.is_set():
+            self._count_error(error)
             self._error(error)
 
     def _error(self, error: OpenAIError) -> bool:
@@ -170,14 +200,27 @@ class OpenAIEndpoint:
         app.router.add_post(CHAT_PATH, self.chat_completions)
         app.router.add_post(COMPLETIONS_PATH, self.completions)
         app.router.add_get(MODELS_PATH, self.models)
-        app.middlewares.append(openai_shaped_http_errors)
+        app.router.add_get(MODEL_PATH, self.model)
+        app.middlewares.append(self.openai_shaped_http_errors)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         try:
             self._admit(request)
         except OpenAIError as error:
-            return error_response(error)
+            return self._refuse(error)
         body = models_body(self.served_model, self._context_tokens, self._created)
+        return web.Response(body=body, content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models/{model}`` (the ``openai`` client's ``models.retrieve``)."""
+        try:
+            self._admit(request)
+            requested = request.match_info["model"]
+            if requested != self.served_model:
+                raise model_not_found(requested, self.served_model, None)
+        except OpenAIError as error:
+            return self._refuse(error)
+        body = model_body(self.served_model, self._context_tokens, self._created)
         return web.Response(body=body, content_type="application/json")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -198,20 +241,27 @@ class OpenAIEndpoint:
                 raise shutting_down()
             require_json(request)
             parsed = parse(await self._read_body(request), self.served_model)
-            exchange = Exchange(parsed, self.served_model, self._max_outbox_bytes)
+            exchange = Exchange(
+                parsed,
+                self.served_model,
+                self._max_outbox_bytes,
+                self._num_prompt_tokens,
+                self._count_error,
+            )
             socket_id = self._host.open_exchange(admitted, exchange)
             await self._host.apply(self._host.session.on_generate(socket_id, parsed.generate))
             await exchange.started.wait()
             if not parsed.stream:
                 await exchange.finished.wait()
             if exchange.refusal is not None:
+                # Counted as the frame it came in (or by `end_with`).
                 return error_response(exchange.refusal)
             if not parsed.stream:
                 assert exchange.body is not None
                 return web.Response(body=exchange.body, content_type="application/json")
             return await self._stream(request, exchange)
         except OpenAIError as error:
-            return error_response(error)
+            return self._refuse(error)
         finally:
             if socket_id is not None:
                 await self._host.close_exchange(socket_id)
@@ -236,6 +286,35 @@ class OpenAIEndpoint:
                 await response.write_eof()
         return response
 
+    @web.middleware
+    async def openai_shaped_http_errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Under ``/v1``, aiohttp's own refusals (no such route, a wrong method)
+        in OpenAI's shape too, so every client there parses every error."""
+        try:
+            return await handler(request)
+        except web.HTTPException as refused:
+            if not request.path.startswith(API_PREFIX) or refused.status < 400:
+                raise
+            status = HTTPStatus(refused.status)
+            message = f"{request.method} {request.path}: {status.phrase.lower()}"
+            return self._refuse(OpenAIError(status, message))
+
+    def _refuse(self, error: OpenAIError) -> web.Response:
+        """The response to a request refused here, before the core saw it."""
+        self._count_error(error)
+        return error_response(error)
+
+    def _count_error(self, error: OpenAIError) -> None:
+        self._host.metrics.count_error(error.metric_code)
+
+    def _num_prompt_tokens(self, request_id: str) -> int:
+        # The session adds a request's stream before it sends its `accepted`.
+        stream = self._host.session.stream(request_id)
+        assert stream is not None, request_id
+        return stream.num_prompt_tokens
+
     def _admit(self, request: web.Request) -> Admitted:
         try:
             return self._host.admit(request)
@@ -254,22 +333,6 @@ class OpenAIEndpoint:
             return await request.read()
         except web.HTTPRequestEntityTooLarge as error:
             raise _too_large(self._max_body_bytes) from error
-
-
-@web.middleware
-async def openai_shaped_http_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Under ``/v1``, aiohttp's own refusals (no such route, a wrong method)
-    in OpenAI's shape too, so every client there parses every error."""
-    try:
-        return await handler(request)
-    except web.HTTPException as refused:
-        if not request.path.startswith(API_PREFIX) or refused.status < 400:
-            raise
-        status = HTTPStatus(refused.status)
-        message = f"{request.method} {request.path}: {status.phrase.lower()}"
-        return error_response(OpenAIError(status, message))
 
 
 def shutting_down() -> OpenAIError:

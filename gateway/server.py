@@ -63,7 +63,7 @@ from shared.keys import RedisKeys
 from shared.metrics_http import METRICS_PATH, metrics_handler
 from shared.protocol import Error, encode_json
 from shared.redis_streams import connect, reconnect_backoff_s
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, served_model_name
 
 logger = structlog.get_logger(__name__)
 
@@ -140,10 +140,11 @@ class GatewayServer:
         self._dashboards: dict[web.WebSocketResponse, str | None] = {}
         self._live = LiveFeed(self._redis, self._keys.live_stats)
         self._pseudonyms = Pseudonyms()
-        self.metrics = GatewayMetrics(settings.gateway_id)
+        served_model = served_model_name(settings.model.model_dir)
+        self.metrics = GatewayMetrics(settings.gateway_id, served_model)
         self._openai = OpenAIEndpoint(
             self,
-            served_model=served_model_name(settings.model.model_dir),
+            served_model=served_model,
             context_tokens=limits.context_tokens,
             max_body_bytes=settings.max_frame_bytes,
             max_outbox_bytes=settings.max_outbox_bytes,
@@ -697,8 +698,3 @@ def _page(name: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         return web.FileResponse(path, headers=PAGE_HEADERS)
 
     return serve
-
-
-def served_model_name(model_dir: Path) -> str:
-    """The name ``/v1/models`` lists and requests name: the model directory's."""
-    return Path(model_dir).name

@@ -8,11 +8,18 @@ import sys
 from collections.abc import Sequence
 
 from gpu_worker.actor import WorkerActor
-from gpu_worker.engine_host import EngineHost, EngineProcess, EngineThread, build_engine
+from gpu_worker.engine_host import (
+    EngineHost,
+    EngineProcess,
+    EngineStartFailed,
+    EngineThread,
+    build_engine,
+)
 from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
 from shared.settings import (
+    DEFAULT_KV_CACHE_FRACTIONS,
     MAX_INFLIGHT,
     WEIGHT_FORMATS,
     WorkerSettings,
@@ -21,6 +28,7 @@ from shared.settings import (
     env_bool,
     flag_environment_default,
     int_flag,
+    kv_cache_fraction_flag,
     model_location,
     redis_settings_from_args,
 )
@@ -50,9 +58,31 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         "(default): float16 on the CPU, the loaded weights elsewhere ($ORCAPOD_WEIGHTS)",
     )
     parser.add_argument("--backend", help="attention backend (default: the device's fastest)")
-    parser.add_argument("--kv-cache-bytes", type=int, help="K/V pool size in bytes")
-    parser.add_argument("--kv-cache-fraction", type=float, default=DEFAULTS["kv_cache_fraction"])
-    parser.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int_flag(1),
+        help="K/V pool size in bytes, as asked (default: sized from memory as below; "
+        "a pool below one sequence of the model's context serves only shorter requests)",
+    )
+    parser.add_argument(
+        "--kv-cache-fraction",
+        type=kv_cache_fraction_flag,
+        default=DEFAULTS["kv_cache_fraction"],
+        help="share of the memory available once the model is loaded (the host's "
+        "MemAvailable, or the GPU's free memory) that the K/V pool may take, above 0 "
+        f"and below 1 (default: {DEFAULT_KV_CACHE_FRACTIONS['cpu']} on the CPU, "
+        f"{DEFAULT_KV_CACHE_FRACTIONS['cuda']} on CUDA); never more than "
+        "--kv-cache-max-sequences sequences of the model's full context, never less "
+        "than one (else the worker stops at start and says what to change)",
+    )
+    parser.add_argument(
+        "--kv-cache-max-sequences",
+        type=int_flag(1),
+        default=DEFAULTS["kv_cache_max_sequences"],
+        help="full-context sequences the K/V pool is sized for at most: the scheduler's "
+        "--max-batch-size, which bounds the requests placed on one worker (default: %(default)s)",
+    )
+    parser.add_argument("--block-size", type=int_flag(1), default=DEFAULTS["block_size"])
     parser.add_argument(
         "--max-inflight",
         type=int_flag(1, MAX_INFLIGHT),
@@ -105,6 +135,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         kv_cache_bytes=args.kv_cache_bytes,
         kv_cache_fraction=args.kv_cache_fraction,
         block_size=args.block_size,
+        kv_cache_max_sequences=args.kv_cache_max_sequences,
         max_inflight=args.max_inflight,
         heartbeat_s=args.heartbeat_s,
         cuda_graphs=args.cuda_graphs,
@@ -134,11 +165,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = configure_logging("worker")
     log.info("loading_model", model_dir=str(settings.model.model_dir), worker_id=settings.worker_id)
     host: EngineHost
-    if settings.engine_process:
-        host = EngineProcess(settings)  # loads the model in the child, at start
-    else:
-        host = EngineThread(build_engine(settings), settings.worker_id)
-    return run_actor("python -m gpu_worker", serve(settings, host))
+    failed: BaseException | None = None
+    try:
+        if settings.engine_process:
+            host = EngineProcess(settings)  # loads the model in the child, at start
+        else:
+            host = EngineThread(build_engine(settings), settings.worker_id)
+        return run_actor("python -m gpu_worker", serve(settings, host), settings.redis)
+    except* EngineStartFailed as group:  # the engine logged why; no traceback here
+        failed = group.exceptions[0]
+    print(f"python -m gpu_worker: {failed}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

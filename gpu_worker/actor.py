@@ -68,7 +68,7 @@ from shared.redis_streams import (
     xadd_message,
 )
 from shared.request_log import queue_failure
-from shared.settings import WorkerSettings
+from shared.settings import WorkerSettings, served_model_name
 
 READ_BLOCK_MS = 100
 READ_COUNT = 16
@@ -98,7 +98,11 @@ class WorkerActor:
         self._joined_epoch: int | None = None
         self._stats = HashCounters(STATS_INTERVAL_S)
         # Served at /metrics by the process (``__main__``) when asked to.
-        self.metrics = WorkerMetrics(self.worker_id, self.host.stats)
+        self.metrics = WorkerMetrics(
+            self.worker_id,
+            self.host.stats,
+            model_name=served_model_name(settings.model.model_dir),
+        )
 
     @property
     def heartbeat_ttl_ms(self) -> int:

@@ -28,7 +28,7 @@ from gpu_worker.block_tables import blocks_for
 from gpu_worker.compiled_decode import CompiledDecode, compiled_decode_or_none
 from gpu_worker.decode_attention import compiled_decode_attention_or_none
 from gpu_worker.engine_stats import EngineStats
-from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, num_blocks_for_budget
+from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, kv_cache_size
 from gpu_worker.llama import LlamaModel
 from gpu_worker.path_probe import probe_step_paths
 from gpu_worker.sampler import SamplingError, sample
@@ -104,9 +104,14 @@ class Engine:
         budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
-        num_blocks = num_blocks_for_budget(model.config, budget, model.device, model.dtype)
+        # Sized once the model is loaded: what it takes is no longer available.
+        size = kv_cache_size(model.config, budget, model.device, model.dtype)
+        # A pool asked for below one full-context sequence serves only shorter requests.
+        log = _log.info if size.num_full_sequences > 0 else _log.warning
+        log("kv_cache_sized", device=str(model.device), **size.log_fields())
+        self.kv_cache_size = size
         self.kv_cache = PagedKVCache(
-            model.config, num_blocks, budget.block_size, model.device, model.dtype
+            model.config, size.num_blocks, size.block_size, model.device, model.dtype
         )
         backend_name = attention_backend or default_backend_name(model.device)
         paged_attention = None

@@ -107,6 +107,11 @@ class EngineProcessDied(RuntimeError):
     """The engine process ended without being asked to."""
 
 
+class EngineStartFailed(EngineProcessDied):
+    """The engine could not start; the message says why (for a setting the
+    user can change, such as the K/V pool's size, all there is to say)."""
+
+
 _FROM_CHILD = msgspec.msgpack.Decoder(EngineReady | EngineFailed)
 _JOB = msgspec.msgpack.Decoder(PlanJob | None)
 _DONE = msgspec.msgpack.Decoder(StepDone)
@@ -147,29 +152,34 @@ def build_engine(settings: WorkerSettings) -> Engine:
     """The model on its device and a K/V pool of the configured size."""
     from gpu_worker.device import inductor_cache_dir
     from gpu_worker.engine import Engine
-    from gpu_worker.kv_cache import KVCacheBudget
+    from gpu_worker.kv_cache import KVCacheBudget, KVCacheSizeError
     from gpu_worker.model_loading import load_model
 
     # Compiled graphs kept beside the prepared models, so a restart reuses them.
     os.environ.setdefault(
         "TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(settings.model.cache_dir))
     )
-    model = load_model(
-        settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
-    )
-    budget = KVCacheBudget(
-        num_bytes=settings.kv_cache_bytes,
-        fraction=settings.kv_cache_fraction,
-        block_size=settings.block_size,
-    )
-    return Engine(
-        model,
-        budget,
-        settings.attention_backend,
-        worker_id=settings.worker_id,
-        use_cuda_graphs=settings.cuda_graphs,
-        compile_decode=settings.compile_decode,
-    )
+    try:
+        budget = KVCacheBudget(
+            num_bytes=settings.kv_cache_bytes,
+            fraction=settings.kv_cache_fraction,
+            block_size=settings.block_size,
+            max_sequences=settings.kv_cache_max_sequences,
+        )
+        model = load_model(
+            settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
+        )
+        # The pool is sized from the memory left once the model is loaded.
+        return Engine(
+            model,
+            budget,
+            settings.attention_backend,
+            worker_id=settings.worker_id,
+            use_cuda_graphs=settings.cuda_graphs,
+            compile_decode=settings.compile_decode,
+        )
+    except KVCacheSizeError as error:
+        raise EngineStartFailed(str(error)) from None
 
 
 def _count(stats: EngineStats, done: StepDone) -> None:
@@ -275,7 +285,7 @@ class EngineProcess:
             raise EngineProcessDied("the engine process ended while loading") from error
         message = _FROM_CHILD.decode(data)
         if isinstance(message, EngineFailed):
-            raise EngineProcessDied(f"the engine did not start: {message.message}")
+            raise EngineStartFailed(f"the engine did not start: {message.message}")
         self.num_blocks, self.block_size = message.num_blocks, message.block_size
         _log.info("engine_process_started", pid=self._process.pid)
 
@@ -405,6 +415,10 @@ def engine_process_main(settings: WorkerSettings, connection: Connection) -> Non
     configure_logging("worker")
     try:
         engine = build_engine(settings)
+    except EngineStartFailed as error:  # a setting to change: the message says it all
+        _log.error("engine_failed_to_start", error=str(error))
+        connection.send_bytes(_encoder.encode(EngineFailed(str(error))))
+        return
     except Exception as error:  # a model that does not load: the shell reports it
         _log.exception("engine_failed_to_start")
         connection.send_bytes(_encoder.encode(EngineFailed(str(error))))

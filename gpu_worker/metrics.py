@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from gpu_worker.engine_stats import EngineStats
 from shared.messages import StepOutput
+from shared.metrics_labels import labelled_registry
 
 # 0.5 ms (a small decode on a GPU) to 10 s (a long prefill on a CPU).
 STEP_TIME_BUCKETS_S = (
@@ -84,7 +85,8 @@ class BusyWindow:
 
 
 class WorkerMetrics:
-    """One worker's registry: per-step histograms and the engine's totals."""
+    """One worker's registry: per-step histograms and the engine's totals;
+    ``model_name`` on every series."""
 
     def __init__(
         self,
@@ -92,8 +94,10 @@ class WorkerMetrics:
         stats: EngineStats,
         clock: Callable[[], float] = time.monotonic,
         window_s: float = BUSY_WINDOW_S,
+        model_name: str = "",
     ) -> None:
-        self.registry = CollectorRegistry()
+        own = CollectorRegistry()
+        self.registry = labelled_registry(own, {"model_name": model_name})
         self._clock = clock
         self._busy = BusyWindow(window_s, clock())
         self._worker_id = worker_id
@@ -103,23 +107,23 @@ class WorkerMetrics:
             "(gpu_worker/step_path.py: eager, eager+paged_attention, graph[1], ...).",
             ["worker", "path"],
             buckets=STEP_TIME_BUCKETS_S,
-            registry=self.registry,
+            registry=own,
         )
         self._batch_size = Histogram(
             "orcapod_batch_size",
             "Requests in one step (prompt chunks and decodes).",
             ["worker"],
             buckets=BATCH_SIZE_BUCKETS,
-            registry=self.registry,
+            registry=own,
         ).labels(worker_id)
         self._tokens_per_step = Histogram(
             "orcapod_tokens_per_step",
             "New tokens (prompt and decode) in one step.",
             ["worker"],
             buckets=TOKENS_PER_STEP_BUCKETS,
-            registry=self.registry,
+            registry=own,
         ).labels(worker_id)
-        self.registry.register(_EngineView(worker_id, stats, self._busy, clock))
+        own.register(_EngineView(worker_id, stats, self._busy, clock))
 
     def observe_step(self, output: StepOutput, num_requests: int) -> None:
         """One executed plan; one that ran no forward pass (a release only, a

@@ -243,6 +243,8 @@ def _serve(
             args.policy,
             "--metrics-port",
             str(scheduler_metrics_port),
+            "--model",
+            model_dir,
             *args.scheduler_arg,
         ),
         env,

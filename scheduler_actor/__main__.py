@@ -15,8 +15,10 @@ from shared.settings import (
     SchedulerSettings,
     add_redis_arguments,
     int_flag,
+    model_location,
     redis_settings,
     redis_settings_from_args,
+    served_model_name,
 )
 
 
@@ -64,6 +66,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         help="a worker caching the prefix is passed over when it runs more than this many "
         "requests beyond the least loaded",
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the HF-format model dir the workers serve (default: the embedded one); only "
+        "its name is used, as the model_name label of the metrics",
+    )
     args = parser.parse_args(argv)
     return SchedulerSettings(
         redis=redis_settings_from_args(args),
@@ -79,6 +87,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         prefix_caching=args.prefix_cache,
         cache_aware_routing=args.cache_routing,
         routing_slack=args.routing_slack,
+        model_name=served_model_name(model_location(model_dir=args.model).model_dir),
     )
 
 
@@ -99,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; exit status 0 after a clean shutdown."""
     settings = parse_settings(argv)
     configure_logging("scheduler")
-    return run_actor("python -m scheduler_actor", serve(settings))
+    return run_actor("python -m scheduler_actor", serve(settings), settings.redis)
 
 
 if __name__ == "__main__":

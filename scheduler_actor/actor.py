@@ -96,7 +96,7 @@ class SchedulerActor:
         self._next_publish_s = 0.0
         self._counters = SchedulerCounters()
         # Served at /metrics by the process (``__main__``) when asked to.
-        self.metrics = SchedulerMetrics()
+        self.metrics = SchedulerMetrics(settings.model_name)
         self._live = LiveView()
         self._timing = StepTimingTotals()
         self._prefix_cache_sent = PrefixCacheStats()  # the counts the hash has of this core
@@ -137,6 +137,7 @@ class SchedulerActor:
             self._live,
             self._housekeeping.workers_alive,
             self._clock,
+            self.metrics,
         )
         # "0": a worker may have joined, or a gateway submitted, before we started.
         for stream in self._decoders:

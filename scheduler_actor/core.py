@@ -33,7 +33,14 @@ from scheduler_actor.request import EndReason, FinishedRequest, Request, Request
 from scheduler_actor.tenant_ledger import TenantLedger
 from scheduler_actor.vtc import VirtualTokenCounter
 from scheduler_actor.worker_state import WorkerState
-from shared.messages import FinishReason, SamplingParams, StepOutput, StepPlan, TenantLimits
+from shared.messages import (
+    FinishReason,
+    RequestSpec,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    TenantLimits,
+)
 from shared.settings import MAX_INFLIGHT
 
 # A request on this many workers that failed (heartbeat lost, re-joined after a
@@ -222,7 +229,17 @@ class Scheduler:
         plan = builder.build()
         if plan is not None:
             self._next_step_index += 1
+            if plan.new_requests:
+                self._note_first_placements(plan.new_requests)
         return plan
+
+    def _note_first_placements(self, placed: Sequence[RequestSpec]) -> None:
+        """When each request was placed for the first time (its queue time ends)."""
+        now_s = self._clock()
+        for spec in placed:
+            request = self._requests[spec.request_id]
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = now_s
 
     def on_result(self, output: StepOutput) -> list[FinishedRequest]:
         """Record a step's tokens; returns the requests whose results are
@@ -255,6 +272,8 @@ class Scheduler:
             if token.index != len(generated_ids):
                 continue
             generated_ids.append(token.token_id)
+            if len(generated_ids) == 1:
+                request.first_token_s = self._clock()
             # The placement's first token: its whole context is written (the
             # rest is cached when it leaves the worker: Placements.move).
             if caching and len(generated_ids) == (
@@ -313,6 +332,9 @@ class Scheduler:
             num_preemptions=request.num_preemptions,
             error=request.error,
             gateway_id=request.gateway_id,
+            num_prompt_tokens=len(request.prompt_ids),
+            first_scheduled_s=request.first_scheduled_s,
+            first_token_s=request.first_token_s,
         )
 
     def _is_full(self) -> bool:

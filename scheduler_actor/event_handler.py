@@ -28,6 +28,7 @@ from scheduler_actor.errors import (
 from scheduler_actor.journal_retention import JournalRetention
 from scheduler_actor.live_view import LiveView
 from scheduler_actor.liveness import Liveness
+from scheduler_actor.metrics import SchedulerMetrics
 from scheduler_actor.request import FinishedRequest
 from shared.keys import SCHEDULER_GROUP, RedisKeys
 from shared.messages import (
@@ -87,6 +88,7 @@ class EventHandler:
         live: LiveView,
         workers_alive: Liveness,
         clock: Callable[[], float],
+        metrics: SchedulerMetrics,
     ) -> None:
         self.core = core
         self._redis = redis
@@ -97,6 +99,7 @@ class EventHandler:
         # Joins and losses are recorded here; housekeeping checks the heartbeats.
         self._workers_alive = workers_alive
         self._clock = clock
+        self._metrics = metrics
         # Request id -> its SubmitRequest's entry, acknowledged when the request ends.
         self._submit_entry_ids: dict[str, bytes] = {}
         self.journal = JournalRetention()
@@ -236,6 +239,7 @@ class EventHandler:
         retention from now on), in the transaction that takes their submits
         off the pending list."""
         retention_s = self._settings.redis.log_retention_s
+        self._metrics.requests_finished(finished)
         for request in finished:
             tokens = _sampled_tokens(request, self.journal.num_logged(request.request_id))
             queue_checkpoint(pipe, self._keys, tokens, retention_s)

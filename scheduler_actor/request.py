@@ -69,6 +69,11 @@ class Request:
     # the chain hashes of its full blocks, by block size (computed as needed).
     cache_group: str = ""
     block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
+    # When it was first placed on a worker and when its first token came back
+    # (the core's clock; None until then, and the first token stays None for a
+    # request recovered with tokens already sent): its phases in the metrics.
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -137,3 +142,6 @@ class FinishedRequest:
     num_preemptions: int
     error: str = ""  # why, for finish_reason "error"
     gateway_id: str = ""  # where the request was served when it ended
+    num_prompt_tokens: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None

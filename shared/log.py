@@ -20,6 +20,8 @@ import structlog
 from redis.exceptions import AuthenticationError
 
 from shared.lifeline import watch_lifeline
+from shared.redis_outage import EXIT_REDIS_GONE, RedisGoneError, stopping_when_redis_gone
+from shared.settings import RedisSettings
 
 T = TypeVar("T")
 
@@ -59,16 +61,29 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-def run_actor(program: str, main: Coroutine[Any, Any, None]) -> int:
+def run_actor(
+    program: str, main: Coroutine[Any, Any, None], redis: RedisSettings | None = None
+) -> int:
     """Run an actor's ``main`` to its end, stopping it when the launcher that
-    started it is gone (``shared/lifeline.py``); its exit status: 0, or 2 when
-    Redis refused the login (no retry can help: the URL's user or password is wrong)."""
+    started it is gone (``shared/lifeline.py``) or, given its ``redis``
+    settings, when Redis has not answered for their ``outage_limit_s``
+    (``shared/redis_outage.py``); its exit status: 0, 2 when Redis refused the
+    login (no retry can help: the URL's user or password is wrong), or 3 when
+    Redis was gone for good."""
     refused: BaseException | None = None
+    gone: BaseException | None = None
     watch_lifeline(program)
+    if redis is not None:
+        main = stopping_when_redis_gone(main, redis.url, redis.outage_limit_s)
     try:
         run_event_loop(main)
     except* AuthenticationError as group:
         refused = group.exceptions[0]
+    except* RedisGoneError as group:
+        gone = group.exceptions[0]
+    if gone is not None:
+        print(f"{program}: {gone}; stopping", file=sys.stderr)
+        return EXIT_REDIS_GONE
     if refused is None:
         return 0
     print(

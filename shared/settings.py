@@ -43,6 +43,11 @@ class ModelLocation:
         return self.model_dir == embedded_model_dir(self.cache_dir)
 
 
+def served_model_name(model_dir: Path) -> str:
+    """The name ``/v1/models`` lists, requests name and metrics carry: the model directory's."""
+    return Path(model_dir).name
+
+
 def embedded_model_dir(cache_dir: Path) -> Path:
     """The HF-format directory ``orcapod model prepare`` writes."""
     return cache_dir / "models" / EMBEDDED_MODEL_NAME
@@ -71,6 +76,8 @@ def model_location(
 
 DEFAULT_PREFIX = "orcapod"
 DEFAULT_LOG_RETENTION_S = 600
+# Five minutes: beyond any Redis restart or failover, short of holding memory for hours.
+DEFAULT_REDIS_OUTAGE_LIMIT_S = 300.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 POLICIES = ("fair", "orca", "request")
 
@@ -84,6 +91,9 @@ class RedisSettings:
     # How long a request's log stays after the request ends: the window in
     # which a client may `resume` it on any gateway.
     log_retention_s: int = DEFAULT_LOG_RETENTION_S
+    # Redis unreachable this long (no PING answered): the actor stops, exit
+    # status 3, for its supervisor to restart (shared/redis_outage.py); 0: never.
+    outage_limit_s: float = DEFAULT_REDIS_OUTAGE_LIMIT_S
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,48 @@ class SchedulerSettings:
     prefix_caching: bool = True
     cache_aware_routing: bool = True
     routing_slack: int = 8
+    # The served model's name (``served_model_name``): the ``model_name``
+    # label of the scheduler's metrics; the scheduler never loads the model.
+    model_name: str = ""
+
+
+# The worker's K/V pool (gpu_worker/kv_cache.py; docs/architecture.md, *K/V pool
+# size*). By default it takes this share of the memory available once the model
+# is loaded: on the CPU a tenth of the host's MemAvailable, which other workers
+# and processes share; on CUDA most of the device's free memory, as vLLM's
+# gpu_memory_utilization (the rest is for activations and CUDA graphs).
+DEFAULT_KV_CACHE_FRACTIONS = {"cpu": 0.1, "cuda": 0.9}
+# ... and never more than this many sequences of the model's full context use:
+# the scheduler's default max_batch_size, its bound on requests placed on one
+# worker (the worker cannot see the scheduler's flag: --kv-cache-max-sequences).
+DEFAULT_KV_CACHE_MAX_SEQUENCES = SchedulerSettings.max_batch_size
+
+
+def default_kv_cache_fraction(device_type: str) -> float:
+    """The K/V pool's default share of available memory on a ``device_type``
+    ('cpu', 'cuda')."""
+    return DEFAULT_KV_CACHE_FRACTIONS["cuda" if device_type == "cuda" else "cpu"]
+
+
+def check_kv_cache_fraction(fraction: float) -> float:
+    """``fraction`` if it is above 0 and below 1 (all of the memory would leave
+    none for the forward pass), else ValueError saying so; NaN is neither."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"must be above 0 and below 1, got {fraction}")
+    return fraction
+
+
+def kv_cache_fraction_flag(text: str) -> float:
+    """An argparse ``type`` for ``--kv-cache-fraction``: a usage error that says
+    the range."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    try:
+        return check_kv_cache_fraction(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # The worker's --weights choices (gpu_worker/quantized_linear.py packs them);
@@ -198,9 +250,13 @@ class WorkerSettings:
     # 'auto': float16 on a CPU in float32, the loaded tensors elsewhere.
     weight_format: str = "auto"
     attention_backend: str | None = None
+    # The K/V pool: kv_cache_bytes exactly, else kv_cache_fraction (None: the
+    # device's DEFAULT_KV_CACHE_FRACTIONS) of the memory available once the
+    # model is loaded, at most kv_cache_max_sequences full-context sequences.
     kv_cache_bytes: int | None = None
-    kv_cache_fraction: float = 0.25
+    kv_cache_fraction: float | None = None
     block_size: int = 16
+    kv_cache_max_sequences: int = DEFAULT_KV_CACHE_MAX_SEQUENCES
     # Plans the worker may hold at once (its lookahead, 1 to MAX_INFLIGHT): with 3, the plan for
     # step n+2 may still be on its way while step n runs, so the control
     # plane's round trip (result out, the scheduler's turn, plan in) has two
@@ -224,17 +280,29 @@ def redis_settings(
     prefix: str | None = None,
     environ: Mapping[str, str] | None = None,
     log_retention_s: int | None = None,
+    outage_limit_s: float | None = None,
 ) -> RedisSettings:
     """Flags first, then ``REDIS_URL`` / ``ORCAPOD_PREFIX`` /
-    ``ORCAPOD_LOG_RETENTION_S``, then localhost and the defaults."""
+    ``ORCAPOD_LOG_RETENTION_S`` / ``ORCAPOD_REDIS_OUTAGE_LIMIT_S``, then
+    localhost and the defaults."""
     env = os.environ if environ is None else environ
     retention = log_retention_s or int(env.get("ORCAPOD_LOG_RETENTION_S") or 0)
     if retention < 0:
         raise ValueError(f"the log retention must be positive, got {retention} s")
+    if outage_limit_s is None:
+        outage_limit_s = flag_environment_default(
+            "redis_outage_limit_s", DEFAULT_REDIS_OUTAGE_LIMIT_S, float, env
+        )
+    if not (0 <= outage_limit_s < math.inf):
+        raise ValueError(
+            f"the Redis outage limit must be 0 (never stop) or a positive number of "
+            f"seconds, got {outage_limit_s}"
+        )
     return RedisSettings(
         url=url or env.get("REDIS_URL") or "redis://127.0.0.1:6379/0",
         prefix=prefix or env.get("ORCAPOD_PREFIX") or DEFAULT_PREFIX,
         log_retention_s=retention or DEFAULT_LOG_RETENTION_S,
+        outage_limit_s=outage_limit_s,
     )
 
 
@@ -271,6 +339,17 @@ def default_instance_id(role: str) -> str:
 def env_bool(value: str) -> bool:
     """A boolean from the environment: 1, true, yes or on (any case) are true."""
     return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def seconds_flag(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds >= 0, else a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
 
 
 def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -312,10 +391,20 @@ def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long a finished request can be resumed on any gateway "
         f"(default: $ORCAPOD_LOG_RETENTION_S or {DEFAULT_LOG_RETENTION_S})",
     )
+    parser.add_argument(
+        "--redis-outage-limit-s",
+        type=seconds_flag,
+        help="stop (exit status 3, for a supervisor to restart) when Redis has not answered "
+        "for this long; 0: retry forever "
+        f"(default: $ORCAPOD_REDIS_OUTAGE_LIMIT_S or {DEFAULT_REDIS_OUTAGE_LIMIT_S:g})",
+    )
 
 
 def redis_settings_from_args(args: argparse.Namespace) -> RedisSettings:
     """RedisSettings from the flags of ``add_redis_arguments``, then the environment."""
     return redis_settings(
-        url=args.redis_url, prefix=args.prefix, log_retention_s=args.log_retention_s
+        url=args.redis_url,
+        prefix=args.prefix,
+        log_retention_s=args.log_retention_s,
+        outage_limit_s=args.redis_outage_limit_s,
     )

@@ -60,21 +60,23 @@ def service(
         model_dir,
         tmp_path,
         worker_args=[f"--metrics-port={ports['worker']}"],
-        scheduler_args=[f"--metrics-port={ports['scheduler']}"],
+        scheduler_args=[f"--metrics-port={ports['scheduler']}", f"--model={model_dir}"],
     ) as processes:
         yield processes
 
 
 def scrape(port: int) -> Samples:
-    """GET /metrics on loopback, parsed."""
+    """GET /metrics on loopback, parsed; every sample names the served model
+    (the tiny model's directory), checked and left out."""
     with urllib.request.urlopen(metrics_url("127.0.0.1", port), timeout=5) as response:
         assert response.status == 200
         text = response.read().decode()
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = tuple(sorted(sample.labels.items()))
-            samples.setdefault(sample.name, {})[labels] = sample.value
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == "tiny", sample
+            samples.setdefault(sample.name, {})[tuple(sorted(labels.items()))] = sample.value
     return samples
 
 
@@ -110,13 +112,21 @@ def test_scheduler_and_worker_serve_their_metrics(redis_server, service, ports) 
 
     scheduler = scrape(ports["scheduler"])
     assert scheduler["orcapod_plans_total"][(("worker", "w1"),)] >= steps
-    assert scheduler["orcapod_kv_blocks_total"][(("worker", "w1"),)] > 0
+    assert scheduler["orcapod_kv_pool_blocks"][(("worker", "w1"),)] > 0
     # The request ended (its last result may still be on its way back).
     deadline = time.monotonic() + 5
-    while scheduler.get("orcapod_num_requests_running"):
+    while scheduler["orcapod_num_requests_running"][()]:
         assert time.monotonic() < deadline, scheduler["orcapod_num_requests_running"]
         time.sleep(0.05)
         scheduler = scrape(ports["scheduler"])
+    assert "orcapod_tenant_requests_running" not in scheduler
+    assert scheduler["orcapod_num_requests_waiting"] == {(): 0}
+    # Its phases: placed, prefilled, four more tokens.
+    assert scheduler["orcapod_request_generation_tokens_sum"][()] == 5
+    assert scheduler["orcapod_request_prompt_tokens_sum"][()] == 6
+    assert scheduler["orcapod_request_time_per_output_token_seconds_count"][()] == 1
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert scheduler[f"orcapod_request_{phase}_time_seconds_count"][()] == 1, phase
     assert scheduler["orcapod_vtc_service"][(("tenant", "acme"),)] == 6 + 2 * 5
     assert scheduler["orcapod_kv_blocks_used"][(("worker", "w1"),)] == 0
 

@@ -20,6 +20,7 @@ from websockets.asyncio.client import connect
 
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
 from tests.conftest import descendants, free_port_run
+from tests.prometheus_server import PROMETHEUS, prometheus_scraping
 from tests.test_up_metrics import METRICS_LINE, scrape_families
 from tests.up_process import REPO, UpProcess
 
@@ -157,22 +158,29 @@ def test_up_serves_the_cpu_default_weights_packed(service):
     assert packed and '"weight_format": "float16"' in packed[0], packed
 
 
+def _metrics_urls(up: UpProcess) -> dict[str, str]:
+    """Actor name -> the /metrics URL `orcapod up` printed for it."""
+    output = up.drain()
+    ready_at = next(i for i, line in enumerate(output) if "orcapod is ready" in line)
+    return {
+        match["name"]: match["url"]
+        for line in output[ready_at:]
+        if (match := METRICS_LINE.match(line.rstrip("\n")))
+    }
+
+
 def test_up_prints_and_serves_the_actors_metrics(service):
     _, port, up = service
     output = up.drain()
     ready_at = next(i for i, line in enumerate(output) if "orcapod is ready" in line)
     # The lines it printed before still come first.
     assert output[ready_at + 1].strip().startswith(f"ws://127.0.0.1:{port}/ws")
-    urls = {
-        match["name"]: match["url"]
-        for line in output[ready_at:]
-        if (match := METRICS_LINE.match(line.rstrip("\n")))
-    }
+    urls = _metrics_urls(up)
     assert set(urls) == {"scheduler", "worker-0", "gateway-0", "gateway-1"}
     assert urls["gateway-1"] == f"http://127.0.0.1:{port + 1}/metrics"
     assert urls["scheduler"] != urls["worker-0"]
     deadline_s = time.monotonic() + 30
-    assert "orcapod_kv_blocks_total" in scrape_families(urls["scheduler"], deadline_s)
+    assert "orcapod_kv_pool_blocks" in scrape_families(urls["scheduler"], deadline_s)
     assert "orcapod_step_time_seconds" in scrape_families(urls["worker-0"], deadline_s)
     # The overlapping chats above took the compiled paths a user's chats take.
     with urllib.request.urlopen(urls["worker-0"], timeout=5) as response:
@@ -185,6 +193,31 @@ def test_up_prints_and_serves_the_actors_metrics(service):
     }
     assert {"graph[1]", "eager+paged_attention"} <= step_paths, step_paths
     assert "orcapod_time_to_first_token_seconds" in scrape_families(urls["gateway-0"], deadline_s)
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus is not installed")
+def test_a_real_prometheus_stores_the_documented_names(service, tmp_path):
+    """Debian's Prometheus 2.42 (which asks for OpenMetrics first) scrapes every
+    actor; a histogram quantile and the idle totals answer by the names
+    docs/metrics.md gives, with the served model's name on them."""
+    _, _, up = service
+    with prometheus_scraping(list(_metrics_urls(up).values()), tmp_path) as prometheus:
+        [ttft] = prometheus.wait_for(
+            "histogram_quantile(0.5, sum by (le, model_name) "
+            "(orcapod_time_to_first_token_seconds_bucket))"
+        )
+        assert ttft["metric"] == {"model_name": "SmolLM2-135M-Instruct"}
+        assert 0 < float(ttft["value"][1]) < 60
+        [prefill] = prometheus.wait_for(
+            "histogram_quantile(0.9, sum by (le) (orcapod_request_prefill_time_seconds_bucket))"
+        )
+        assert 0 < float(prefill["value"][1]) < 60
+        [running] = prometheus.wait_for("orcapod_num_requests_running")
+        assert running["metric"]["job"] == "orcapod" and running["value"][1] == "0"
+        # Nothing stored under another name (a colon, or the escaped form).
+        names = {series["metric"]["__name__"] for series in prometheus.query('{job="orcapod"}')}
+        own = {name for name in names if name != "up" and not name.startswith("scrape_")}
+        assert own and all(name.startswith("orcapod_") for name in own), own
 
 
 # Last: it stops the module's service.

@@ -28,6 +28,7 @@ from orcapod.embedded_redis import (
 )
 from orcapod.processes import CrashLoopError, RestartBackoff, RestartPolicy, stop_children
 from shared.keys import RedisKeys
+from shared.lifeline import GRACE_S
 from shared.settings import redis_settings
 from tests.conftest import descendants, free_port
 from tests.faults.cluster import (
@@ -125,6 +126,43 @@ def _worker_pids(launcher_pid: int) -> list[int]:
     return [pid for pid, cmd in descendants(launcher_pid) if "--worker-id worker-0" in cmd]
 
 
+def _new_worker_pid(launcher_pid: int, old_pid: int) -> int:
+    """The pid of the worker the launcher started after ``old_pid`` died."""
+    deadline = time.monotonic() + 30
+    while True:
+        new_pids = [pid for pid in _worker_pids(launcher_pid) if pid != old_pid]
+        if new_pids:
+            return new_pids[0]
+        assert time.monotonic() < deadline, "no new worker process"
+        time.sleep(0.1)
+
+
+def _stop_like_a_supervisor(up: UpProcess) -> set[int]:
+    """SIGTERM to the launcher's process group, SIGKILL 2 s later (what a
+    supervisor or a CI runner does when a stop takes long); every process of the
+    service seen meanwhile."""
+    launcher = up.process
+    seen = {pid for pid, _ in descendants(launcher.pid)}
+    os.killpg(launcher.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        seen |= {pid for pid, _ in descendants(launcher.pid)}
+        time.sleep(0.1)
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=10)
+    return seen
+
+
+def _left_after(pids: set[int], timeout_s: float) -> set[int]:
+    """Those of ``pids`` still running ``timeout_s`` from now (or as soon as none is)."""
+    deadline = time.monotonic() + timeout_s
+    while (
+        left := {pid for pid in pids if process_start_ticks(pid)}
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def _healthz(port: int) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
@@ -144,41 +182,67 @@ def one_gateway(prepared_model_dir):
             "--redis-maxmemory=256mb",
         ],
         env,
+        own_group=True,
     )
     up.wait_ready()
     yield up, port
     up.stop()
 
 
-def test_a_killed_worker_comes_back_and_the_service_answers_again(one_gateway):
+def test_a_killed_worker_comes_back_and_a_supervisors_stop_during_the_next_restart_leaves_nothing(
+    one_gateway,
+):
+    """kill -9 of the worker: a new worker process under the same id, and the
+    service answers again. Killed again, and while that worker starts the
+    launcher's group gets SIGTERM, then SIGKILL 2 s later (a supervisor's stop
+    that took too long): no process of the service is left a few seconds later
+    (the audit found such a worker running on with parent 1)."""
     up, port = one_gateway
     process = up.process
     [old_pid] = _worker_pids(process.pid)
     os.kill(old_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    new_pids: list[int] = []
-    while not new_pids or new_pids == [old_pid]:
-        assert time.monotonic() < deadline, "no new worker process"
-        new_pids = [pid for pid in _worker_pids(process.pid) if pid != old_pid]
-        time.sleep(0.2)
+    new_pid = _new_worker_pid(process.pid, old_pid)
     assert process.poll() is None  # the launcher did not stop the service
+    deadline = time.monotonic() + 60
     while _healthz(port) != 200:
-        assert time.monotonic() < deadline + 30, "healthz did not come back"
+        assert time.monotonic() < deadline, "healthz did not come back"
         time.sleep(0.5)
     _, done = asyncio.run(_generate(f"ws://127.0.0.1:{port}/ws", "Say hello.", max_tokens=4))
     assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens >= 1
     seen = up.drain()
     restarts = [line for line in seen if "worker-0 exited with code -9; restarting it" in line]
     assert len(restarts) == 1, seen[-20:]
-    # The launcher stops cleanly afterwards, the new worker with it, and the
-    # embedded Redis's folder (its password, every request's log) goes.
-    _, data_dir = _embedded_redis(process.pid)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
-    assert not data_dir.exists()
-    assert not Path(f"/proc/{new_pids[0]}").exists() or (
-        "Z" in Path(f"/proc/{new_pids[0]}/stat").read_text().split()[2]
+
+    os.kill(new_pid, signal.SIGKILL)
+    _new_worker_pid(process.pid, new_pid)
+    service = _stop_like_a_supervisor(up)
+    assert len(service) >= 5  # redis-server, scheduler, worker (and its engine), gateway
+    assert not _left_after(service, GRACE_S + 5)
+
+
+@pytest.mark.parametrize("stop", ["term-then-kill-group", "kill-9-launcher"])
+def test_a_launcher_stopped_during_start_up_leaves_no_process(prepared_model_dir, stop):
+    """Stopped as soon as its worker runs (loading the model): by a supervisor
+    (SIGTERM to the group, SIGKILL 2 s later) or by kill -9 of `orcapod up`
+    alone; every process it started is gone a few seconds later."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    up = UpProcess(
+        ["--port", str(free_port()), "--model", str(prepared_model_dir)], env, own_group=True
     )
+    try:
+        deadline = time.monotonic() + 60
+        while not _worker_pids(up.process.pid):
+            assert up.process.poll() is None and time.monotonic() < deadline, up.drain()[-20:]
+            time.sleep(0.05)
+        if stop == "kill-9-launcher":
+            service = {pid for pid, _ in descendants(up.process.pid)}
+            up.process.kill()
+            up.process.wait(timeout=10)
+        else:
+            service = _stop_like_a_supervisor(up)
+        assert not _left_after(service, GRACE_S + 5)
+    finally:
+        up.stop()
 
 
 MAX_TOKENS = 24

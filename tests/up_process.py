@@ -24,7 +24,11 @@ READY_LINE = "orcapod is ready"
 class UpProcess:
     """One ``orcapod up ARGS``; ``output`` holds every line read so far."""
 
-    def __init__(self, args: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(
+        self, args: Sequence[str], env: Mapping[str, str], own_group: bool = False
+    ) -> None:
+        """``own_group``: in a session (so a process group) of its own, as a
+        supervisor starts a service, so a test may signal the whole group."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "orcapod", "up", *args],
             cwd=REPO,
@@ -32,6 +36,7 @@ class UpProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=own_group,
         )
         self.output: list[str] = []
         self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()

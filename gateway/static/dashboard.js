@@ -1,9 +1,12 @@
 // The dashboard: the scheduler's live view, pushed by /dashboard/ws about four
-// times a second. Per worker the recent iterations (one column each), the K/V
-// blocks and what runs; per tenant its VTC service over the last 2 minutes
-// (kept here, bounded) and what waits and runs. Work is bounded: the elements
-// are made once and reused, and at most one redraw happens per frame. Tenant
-// names and server text are only ever set as text.
+// times a second. Per worker the recent iterations (one column each, with the
+// step time's axis in ms and when each was first seen), the K/V blocks and
+// what runs; per tenant its VTC service over the last 2 minutes and what waits
+// and runs. The feed lists only tenants with a live request, so the page keeps
+// each tenant's line after it goes idle until its last point leaves the chart
+// (bounded: MAX_IDLE_TENANTS, the longest idle dropped first). Work is bounded:
+// the elements are made once and reused, and at most one redraw happens per
+// frame. Tenant names and server text are only ever set as text.
 "use strict";
 
 (function () {
@@ -11,8 +14,18 @@
   const MAX_STEPS = 64; // as many as a snapshot holds per worker
   const HISTORY_MS = 120000;
   const MIN_SPAN_MS = 10000;
-  const MAX_HISTORY = 600; // snapshots kept: 2 minutes at 4 a second, with room
-  const MAX_CHART_TENANTS = 64;
+  const MAX_POINTS = 600; // per tenant: 2 minutes at 4 snapshots a second, with room
+  const MAX_CHART_TENANTS = 64; // taken from one snapshot (the feed sends at most 64)
+  const MAX_IDLE_TENANTS = 32; // kept after they left the feed, on top of those
+  // A snapshot later than this after the one before follows a gap (a reconnect, a
+  // stopped scheduler; the live view's key outlives a write by 5 s): the steps it
+  // brings in are of unknown age.
+  const MAX_FRAME_GAP_MS = 5000;
+  // The step-time line spans the bottom 90% of its plot; the axis's ticks are
+  // 0, half and the whole of a nice number at or above the longest step.
+  const STEP_MS_SPAN_PCT = 90;
+  const TICK_FRACTIONS = [0, 0.5, 1];
+  const NICE_MANTISSAS = [1, 2, 3, 4, 5, 6, 8, 10];
   const SVG_NS = "http://www.w3.org/2000/svg";
 
   const byId = (id) => document.getElementById(id);
@@ -22,15 +35,25 @@
   const tenantsBody = byId("tenants");
   const noTenants = byId("no-tenants");
   const chart = byId("service-chart");
+  const idleTenants = byId("idle-tenants");
+  const idleList = byId("idle-list");
   const banner = byId("banner");
   const settings = byId("settings");
 
   let latest = null; // the newest snapshot frame
   let drawScheduled = false;
-  // [{timeMs, service: Map(tenant -> service)}], oldest first, within HISTORY_MS of the newest.
-  const history = [];
+  let previousFrameMs = null; // time_ms of the newest snapshot recorded
+  let firstFrameMs = null; // of the first: the chart spans less while the page has seen less
+  // tenant -> {points: [{timeMs, service, startsLine}], lastSeenMs, you}, points
+  // oldest first and within HISTORY_MS of the newest snapshot; a tenant the
+  // newest snapshot does not list (lastSeenMs older) is idle.
+  const series = new Map();
+  // worker_id -> Map(step_index -> time_ms of the snapshot it first came in, or
+  // null when that snapshot followed a gap), for the steps the newest one lists.
+  const stepsSeen = new Map();
   const workerCards = new Map(); // worker_id -> its elements
   const tenantRows = new Map(); // tenant -> its elements
+  const idleItems = new Map(); // idle tenant -> its legend entry
   let connectionProblem = null; // [kind, text] while the socket is not open
   let unavailableText = null; // while the server says no scheduler publishes
 
@@ -79,16 +102,60 @@
   }
 
   function record(frame) {
-    const newest = history.length ? history[history.length - 1].timeMs : -Infinity;
-    if (frame.time_ms <= newest) return;
-    const service = new Map();
-    for (const tenant of frame.tenants) service.set(tenant.tenant, tenant.service);
-    history.push({ timeMs: frame.time_ms, service });
-    while (
-      history.length > MAX_HISTORY ||
-      (history.length && history[0].timeMs < frame.time_ms - HISTORY_MS)
-    ) {
-      history.shift();
+    const nowMs = frame.time_ms;
+    if (previousFrameMs !== null && nowMs <= previousFrameMs) return;
+    const afterGap = previousFrameMs === null || nowMs - previousFrameMs > MAX_FRAME_GAP_MS;
+    recordSteps(frame.workers, afterGap ? null : nowMs);
+    recordService(frame.tenants, nowMs);
+    if (firstFrameMs === null) firstFrameMs = nowMs;
+    previousFrameMs = nowMs;
+  }
+
+  function recordSteps(workers, seenMs) {
+    const present = new Set();
+    for (const worker of workers) {
+      present.add(worker.worker_id);
+      const before = stepsSeen.get(worker.worker_id) || new Map();
+      const seen = new Map();
+      for (const step of worker.steps.slice(-MAX_STEPS)) {
+        const known = before.get(step.step_index);
+        seen.set(step.step_index, known !== undefined ? known : seenMs);
+      }
+      stepsSeen.set(worker.worker_id, seen);
+    }
+    for (const workerId of [...stepsSeen.keys()]) {
+      if (!present.has(workerId)) stepsSeen.delete(workerId);
+    }
+  }
+
+  function recordService(tenants, nowMs) {
+    const listed = new Set();
+    for (const tenant of tenants) {
+      if (listed.size >= MAX_CHART_TENANTS) break;
+      if (listed.has(tenant.tenant)) continue;
+      listed.add(tenant.tenant);
+      let kept = series.get(tenant.tenant);
+      if (kept === undefined) {
+        kept = { points: [], lastSeenMs: null, you: false };
+        series.set(tenant.tenant, kept);
+      }
+      // A tenant back from idle starts a new line rather than bridging the gap.
+      const startsLine = kept.lastSeenMs === null || kept.lastSeenMs !== previousFrameMs;
+      kept.points.push({ timeMs: nowMs, service: tenant.service, startsLine });
+      if (kept.points.length > MAX_POINTS) kept.points.shift();
+      kept.lastSeenMs = nowMs;
+      kept.you = Boolean(tenant.you);
+    }
+    const idle = [];
+    for (const [name, kept] of series) {
+      const points = kept.points;
+      while (points.length && points[0].timeMs < nowMs - HISTORY_MS) points.shift();
+      if (points.length === 0) series.delete(name);
+      else if (kept.lastSeenMs < nowMs) idle.push([kept.lastSeenMs, name]);
+    }
+    if (idle.length > MAX_IDLE_TENANTS) {
+      idle.sort((a, b) => a[0] - b[0]); // the longest idle first
+      for (const [, name] of idle.slice(0, idle.length - MAX_IDLE_TENANTS)) series.delete(name);
     }
   }
 
@@ -113,9 +180,13 @@
     ];
     if (frame.operator) parts.push("operator view: every tenant by name");
     summary.textContent = parts.join(" · ");
-    drawWorkers(frame.workers);
+    view.dataset.timeMs = String(frame.time_ms); // the snapshot drawn
+    drawWorkers(frame.workers, frame.time_ms);
     drawTenants(frame.tenants);
-    drawServiceChart(frame.time_ms);
+    // The tenants' lines as of the newest snapshot recorded (a re-sent or late
+    // one is drawn but not recorded).
+    drawServiceChart(previousFrameMs);
+    drawIdleTenants(previousFrameMs);
   }
 
   function createWorkerCard(workerId) {
@@ -128,6 +199,26 @@
     kvBar.append(kvUsed, kvCached);
     const kvLegend = make("p", "kv-legend");
     const timeline = make("div", "timeline");
+    const plot = make("div", "plot");
+    const yAxis = make("div", "y-axis");
+    const ticks = [];
+    for (const fraction of TICK_FRACTIONS) {
+      const position = `${STEP_MS_SPAN_PCT * fraction}%`;
+      if (fraction > 0) {
+        const gridline = make("div", "gridline");
+        gridline.style.bottom = position;
+        plot.append(gridline); // before the columns: drawn under them
+      }
+      const tick = make("span", "tick");
+      tick.style.bottom = position;
+      yAxis.append(tick);
+      ticks.push(tick);
+    }
+    const xAxis = make("div", "x-axis");
+    const oldestLabel = make("span", "oldest");
+    const countLabel = make("span", "count");
+    const newestLabel = make("span", "newest");
+    xAxis.append(oldestLabel, countLabel, newestLabel);
     const columns = make("div", "steps");
     const steps = [];
     for (let i = 0; i < MAX_STEPS; i++) {
@@ -148,14 +239,16 @@
     svg.setAttribute("aria-hidden", "true");
     const line = document.createElementNS(SVG_NS, "path");
     svg.append(line);
-    timeline.append(columns, svg);
+    plot.append(columns, svg);
+    timeline.append(plot, yAxis, xAxis);
     const caption = make("p", "caption");
     card.append(title, stats, kvBar, kvLegend, timeline, caption);
     workersElement.append(card);
-    return { card, stats, kvUsed, kvCached, kvLegend, steps, line, caption };
+    const axes = { yAxis, ticks, oldestLabel, countLabel, newestLabel };
+    return { card, stats, kvUsed, kvCached, kvLegend, steps, line, axes, caption };
   }
 
-  function drawWorkers(workers) {
+  function drawWorkers(workers, nowMs) {
     const present = new Set();
     for (const worker of workers) {
       present.add(worker.worker_id);
@@ -164,7 +257,7 @@
         card = createWorkerCard(worker.worker_id);
         workerCards.set(worker.worker_id, card);
       }
-      drawWorker(card, worker);
+      drawWorker(card, worker, nowMs);
     }
     for (const [workerId, card] of workerCards) {
       if (!present.has(workerId)) {
@@ -174,7 +267,7 @@
     }
   }
 
-  function drawWorker(card, worker) {
+  function drawWorker(card, worker, nowMs) {
     card.stats.textContent = `${worker.num_running} running`;
     const total = Math.max(worker.blocks_total, 1);
     const free = Math.max(worker.blocks_total - worker.blocks_used - worker.blocks_cached, 0);
@@ -192,6 +285,7 @@
       maxTokens = Math.max(maxTokens, step.num_prefill_tokens + step.num_decode_tokens);
       if (typeof step.step_ms === "number") maxMs = Math.max(maxMs, step.step_ms);
     }
+    const axisMs = maxMs > 0 ? niceCeiling(maxMs) : 0;
     let path = "";
     let penDown = false;
     for (let i = 0; i < MAX_STEPS; i++) {
@@ -214,8 +308,8 @@
       column.num.style.bottom = `${heightPct}%`;
       column.num.textContent = String(step.num_requests);
       column.step.title = describeStep(step);
-      if (typeof step.step_ms === "number" && maxMs > 0) {
-        const y = 100 - (90 * step.step_ms) / maxMs;
+      if (typeof step.step_ms === "number" && axisMs > 0) {
+        const y = 100 - (STEP_MS_SPAN_PCT * step.step_ms) / axisMs;
         path += `${penDown ? "L" : "M"}${i + 0.5} ${y.toFixed(1)}`;
         penDown = true;
       } else {
@@ -223,6 +317,7 @@
       }
     }
     card.line.setAttribute("d", path);
+    drawStepAxes(card.axes, worker.worker_id, steps, axisMs, nowMs);
     card.card.dataset.numSteps = String(steps.length);
     if (steps.length === 0) {
       card.caption.textContent = "no iteration yet";
@@ -235,6 +330,47 @@
     // The newest step whose result is in: its time and the path it took.
     const done = steps.findLast((step) => typeof step.step_ms === "number") || last;
     card.caption.textContent = `last ${describeStep(done)} · ${scale}`;
+  }
+
+  // The step-time axis (ms, to `axisMs`; blank before any step time is in) and,
+  // under the columns, the oldest and newest step with how long ago each came in.
+  function drawStepAxes(axes, workerId, steps, axisMs, nowMs) {
+    axes.yAxis.dataset.maxMs = String(axisMs);
+    TICK_FRACTIONS.forEach((fraction, i) => {
+      const value = axisMs * fraction;
+      const unit = fraction === 1 ? " ms" : "";
+      axes.ticks[i].textContent = axisMs > 0 ? `${formatMs(value)}${unit}` : "";
+    });
+    const seen = stepsSeen.get(workerId) || new Map();
+    const describe = (step) => {
+      const seenMs = seen.get(step.step_index);
+      const age = typeof seenMs === "number" ? ` · ${formatAge(nowMs - seenMs)}` : "";
+      return `#${step.step_index}${age}`;
+    };
+    const n = steps.length;
+    axes.oldestLabel.textContent = n ? describe(steps[0]) : "";
+    axes.countLabel.textContent = n ? `${n} iteration${n === 1 ? "" : "s"}` : "";
+    axes.newestLabel.textContent = n > 1 ? describe(steps[n - 1]) : "";
+  }
+
+  /** The smallest of 1, 2, 3, 4, 5, 6, 8 times a power of ten at or above `value` (> 0). */
+  function niceCeiling(value) {
+    const power = 10 ** Math.floor(Math.log10(value));
+    const mantissa = NICE_MANTISSAS.find((m) => m * power >= value * (1 - 1e-9));
+    return Number((mantissa * power).toPrecision(6));
+  }
+
+  function formatMs(ms) {
+    return Number(ms.toPrecision(3)).toLocaleString("en-US", { maximumFractionDigits: 3 });
+  }
+
+  function formatAge(ageMs) {
+    return ageMs < 1000 ? "now" : `−${formatDuration(ageMs)}`;
+  }
+
+  function formatDuration(ms) {
+    const seconds = Math.round(ms / 1000);
+    return seconds < 120 ? `${seconds} s` : `${Math.round(seconds / 60)} min`;
   }
 
   function describeStep(step) {
@@ -325,24 +461,13 @@
     const plotWidth = width - pad.left - pad.right;
     const plotHeight = height - pad.top - pad.bottom;
 
-    const names = [];
-    const chosen = new Set();
-    for (const name of latest.tenants.map((tenant) => tenant.tenant)) {
-      if (names.length < MAX_CHART_TENANTS && !chosen.has(name)) {
-        names.push(name);
-        chosen.add(name);
-      }
-    }
     let maxService = 0;
-    for (const point of history) {
-      for (const name of names) {
-        const service = point.service.get(name);
-        if (service !== undefined) maxService = Math.max(maxService, service);
-      }
+    for (const kept of series.values()) {
+      for (const point of kept.points) maxService = Math.max(maxService, point.service);
     }
     maxService = maxService > 0 ? maxService * 1.1 : 1;
     // The last 2 minutes, or less while the page has seen less (at least 10 s).
-    const oldestMs = history.length ? history[0].timeMs : nowMs;
+    const oldestMs = firstFrameMs !== null ? firstFrameMs : nowMs;
     const spanMs = Math.min(Math.max(nowMs - oldestMs, MIN_SPAN_MS), HISTORY_MS);
     const x = (timeMs) => pad.left + plotWidth * (1 - (nowMs - timeMs) / spanMs);
     const y = (service) => pad.top + plotHeight * (1 - service / maxService);
@@ -368,22 +493,59 @@
 
     context.lineWidth = 2 * dpr;
     context.lineJoin = "round";
-    for (const name of names) {
-      context.strokeStyle = colourOf(name);
+    for (const [name, kept] of series) {
+      const colour = colourOf(name);
+      context.strokeStyle = colour;
       context.beginPath();
-      let penDown = false;
-      for (const point of history) {
-        const service = point.service.get(name);
-        if (service === undefined) {
-          penDown = false;
-          continue;
-        }
-        if (penDown) context.lineTo(x(point.timeMs), y(service));
-        else context.moveTo(x(point.timeMs), y(service));
-        penDown = true;
+      for (const point of kept.points) {
+        if (point.startsLine) context.moveTo(x(point.timeMs), y(point.service));
+        else context.lineTo(x(point.timeMs), y(point.service));
       }
       context.stroke();
+      if (kept.lastSeenMs < nowMs) {
+        // An idle tenant's line ends in a dot where it went idle.
+        const last = kept.points[kept.points.length - 1];
+        context.fillStyle = colour;
+        context.beginPath();
+        context.arc(x(last.timeMs), y(last.service), 3 * dpr, 0, 2 * Math.PI);
+        context.fill();
+      }
     }
+    chart.dataset.numLines = String(series.size);
+  }
+
+  // Under the chart, the tenants whose lines it still holds but the feed no
+  // longer lists (the table shows only those with a request waiting or running).
+  function drawIdleTenants(nowMs) {
+    const idle = new Set();
+    for (const [name, kept] of series) {
+      if (kept.lastSeenMs >= nowMs) continue;
+      idle.add(name);
+      let item = idleItems.get(name);
+      if (item === undefined) {
+        const li = make("li");
+        const swatch = make("span", "swatch");
+        const label = make("span", "", name);
+        const you = make("span", "you", "you");
+        const since = make("span", "since");
+        li.append(swatch, label, you, since);
+        item = { li, swatch, you, since };
+        idleItems.set(name, item);
+      }
+      item.swatch.style.backgroundColor = colourOf(name);
+      item.you.hidden = !kept.you;
+      item.since.textContent = `idle ${formatDuration(nowMs - kept.lastSeenMs)}`;
+      item.li.dataset.tenant = name;
+      item.li.dataset.numPoints = String(kept.points.length);
+      idleList.append(item.li); // in the order the page first saw them
+    }
+    for (const [name, item] of idleItems) {
+      if (!idle.has(name)) {
+        item.li.remove();
+        idleItems.delete(name);
+      }
+    }
+    idleTenants.hidden = idle.size === 0;
   }
 
   // --- wiring -----------------------------------------------------------------------

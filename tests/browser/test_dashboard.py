@@ -2,7 +2,9 @@
 a real ``orcapod up`` with a tenants file: both pages say plainly that a key
 is needed, work once it is entered (and keep it), and the dashboard shows
 each worker's iterations and the tenants (the others' names hidden) while
-requests run; a crafted feed checks the escaping and the banners."""
+requests run, with the step time's axis fitted to the steps, and keeps an
+idle tenant's line; a crafted feed checks the escaping, the banners, the
+axis's numbers and the bound on idle tenants kept."""
 
 from __future__ import annotations
 
@@ -147,6 +149,63 @@ def test_the_dashboard_shows_iterations_and_tenants_while_requests_run(
     load.join(timeout=120)
 
 
+def test_the_step_axis_fits_the_steps_and_an_idle_tenant_keeps_its_line(
+    page: Page, port: int
+) -> None:
+    page.goto(f"http://127.0.0.1:{port}/dashboard")
+    enter_key(page, KEYS["alice"])
+    expect(page.locator("#summary")).to_contain_text("policy fair")
+    load = run_requests(port, num_per_tenant=1, max_tokens=16)
+    chart = page.locator("#service-chart")
+    expect(chart).to_have_attribute("data-num-lines", "2")  # both tenants seen running
+    load.join(timeout=120)
+    # Both requests done: the feed lists no tenant, and one more snapshot is drawn.
+    expect(page.locator("#no-tenants")).to_be_visible()
+    idle_since_ms = int(str(page.locator("#view").get_attribute("data-time-ms")))
+    page.wait_for_function(
+        "t => Number(document.querySelector('#view').dataset.timeMs) > t", arg=idle_since_ms
+    )
+    expect(page.locator("#tenants tr")).to_have_count(0)
+    expect(chart).to_have_attribute("data-num-lines", "2")
+    idle = page.locator("#idle-list li")
+    expect(idle).to_have_count(2)
+    expect(page.locator("#idle-list li:has(.you:visible)")).to_have_attribute(
+        "data-tenant", "alice"
+    )
+    for item in idle.all():
+        assert int(str(item.get_attribute("data-num-points"))) >= 1
+        expect(item.locator(".since")).to_have_text(re.compile(r"^idle \d+ s$"))
+
+    # One draw's step times (each column's title) beside its axis.
+    drawn = page.evaluate(
+        r"""() => {
+            const worker = document.querySelector("article.worker");
+            return {
+                stepMs: [...worker.querySelectorAll(".step")]
+                    .map(step => / ([\d.]+) ms/.exec(step.title))
+                    .filter(Boolean).map(match => Number(match[1])),
+                axisMs: Number(worker.querySelector(".y-axis").dataset.maxMs),
+                ticks: [...worker.querySelectorAll(".y-axis .tick")].map(t => t.textContent),
+                lastStep: worker.dataset.lastStep,
+                oldest: worker.querySelector(".x-axis .oldest").textContent,
+                newest: worker.querySelector(".x-axis .newest").textContent,
+            };
+        }"""
+    )
+    longest_ms = max(drawn["stepMs"])
+    axis_ms = drawn["axisMs"]
+    assert longest_ms <= axis_ms <= 2 * longest_ms, drawn
+    assert [float(tick.removesuffix(" ms").replace(",", "")) for tick in drawn["ticks"]] == [
+        pytest.approx(0.0),
+        pytest.approx(axis_ms / 2, rel=0.01),
+        pytest.approx(axis_ms, rel=0.01),
+    ], drawn
+    assert drawn["ticks"][-1].endswith(" ms")
+    assert re.fullmatch(r"#\d+( · (now|−\d+ s))?", drawn["oldest"]), drawn
+    # The newest step came in while the page watched: its age is known.
+    assert re.fullmatch(rf"#{drawn['lastStep']} · (now|−\d+ s)", drawn["newest"]), drawn
+
+
 HOSTILE_NAME = '<img src=x onerror="window.injected = 1"><b>tenant</b>'
 
 
@@ -189,14 +248,21 @@ def snapshot_frame() -> dict:
     }
 
 
-def test_a_crafted_feed_is_shown_as_text_and_the_banners_say_what_is_wrong(
-    page: Page, port: int
-) -> None:
+def _crafted_feeds(page: Page, port: int) -> list[WebSocketRoute]:
+    """The dashboard opened with its feed answered by the test, not the gateway:
+    the socket it opened, and each it opens again later (appended)."""
     sockets: list[WebSocketRoute] = []
     page.route_web_socket("**/dashboard/ws", lambda socket: sockets.append(socket))
     page.goto(f"http://127.0.0.1:{port}/dashboard")
     page.wait_for_function("() => document.readyState === 'complete'")
     assert len(sockets) == 1
+    return sockets
+
+
+def test_a_crafted_feed_is_shown_as_text_and_the_banners_say_what_is_wrong(
+    page: Page, port: int
+) -> None:
+    sockets = _crafted_feeds(page, port)
     expect(page.locator("#banner")).to_be_hidden()
     sockets[0].send(json.dumps(snapshot_frame()))
     expect(page.locator("#tenants .tenant-name")).to_have_text(HOSTILE_NAME + "you")
@@ -244,3 +310,72 @@ def test_a_stopped_scheduler_is_told_and_its_return_noticed(
         os.kill(scheduler, signal.SIGCONT)
     expect(page.locator("#banner")).to_be_hidden()
     expect(page.locator("#view")).to_have_class("view")
+
+
+def tenant_frame(time_ms: int, names: list[str], steps: list[dict] | None = None) -> dict:
+    """``snapshot_frame()`` at ``time_ms`` listing tenants ``names`` (alice the viewer)."""
+    frame = snapshot_frame()
+    frame["time_ms"] = time_ms
+    if steps is not None:
+        frame["workers"][0]["steps"] = steps
+    frame["tenants"] = [
+        {
+            "tenant": name,
+            "you": name == "alice",
+            "service": 100.0 + i,
+            "num_waiting": 0,
+            "num_running": 1,
+        }
+        for i, name in enumerate(names)
+    ]
+    return frame
+
+
+def test_a_crafted_feed_gets_a_step_axis_and_idle_tenants_kept_and_bounded(
+    page: Page, port: int
+) -> None:
+    [socket] = _crafted_feeds(page, port)
+    t0 = snapshot_frame()["time_ms"]
+    worker = page.locator("article.worker")
+    chart = page.locator("#service-chart")
+    idle = page.locator("#idle-list li")
+
+    socket.send(json.dumps(tenant_frame(t0, ["alice", HOSTILE_NAME])))
+    # The longest step is 12.5 ms: the axis goes to the nice 20 ms above it.
+    expect(worker.locator(".y-axis")).to_have_attribute("data-max-ms", "20")
+    expect(worker.locator(".y-axis .tick")).to_have_text(["0", "10", "20 ms"])
+    # Steps already there when the page opened are of unknown age.
+    expect(worker.locator(".x-axis .oldest")).to_have_text("#7")
+    expect(worker.locator(".x-axis .newest")).to_have_text("#8")
+    step = snapshot_frame()["workers"][0]["steps"][0]
+    steps = [step, {**step, "step_index": 8, "step_ms": 31.0}, {**step, "step_index": 9}]
+    socket.send(json.dumps(tenant_frame(t0 + 250, ["alice", HOSTILE_NAME], steps)))
+    expect(worker.locator(".y-axis .tick")).to_have_text(["0", "20", "40 ms"])
+    expect(worker.locator(".x-axis .newest")).to_have_text("#9 · now")
+    expect(worker.locator(".x-axis .oldest")).to_have_text("#7")
+
+    # The hostile tenant leaves the feed: its line stays, listed as idle, as text.
+    socket.send(json.dumps(tenant_frame(t0 + 500, ["alice"], steps)))
+    expect(idle).to_have_count(1)
+    expect(idle).to_have_attribute("data-tenant", HOSTILE_NAME)
+    expect(idle).to_have_attribute("data-num-points", "2")
+    expect(chart).to_have_attribute("data-num-lines", "2")
+    expect(page.locator("#tenants tr")).to_have_count(1)
+    assert page.evaluate("window.injected") is None
+    # ... until its last point (t0 + 250) leaves the 2 minutes' window.
+    socket.send(json.dumps(tenant_frame(t0 + 120_000, ["alice"], steps)))
+    expect(worker.locator(".x-axis .newest")).to_have_text("#9 · −2 min")
+    expect(chart).to_have_attribute("data-num-lines", "2")
+    socket.send(json.dumps(tenant_frame(t0 + 120_300, ["alice"], steps)))
+    expect(chart).to_have_attribute("data-num-lines", "1")
+    expect(page.locator("#idle-tenants")).to_be_hidden()
+
+    # 40 tenants each seen once, one after another: the 32 last to go idle stay.
+    names = [f"t{i:02}" for i in range(40)]
+    for i, name in enumerate([*names, None]):
+        listed = ["alice"] if name is None else ["alice", name]
+        socket.send(json.dumps(tenant_frame(t0 + 120_550 + 250 * i, listed, steps)))
+    expect(page.locator("#view")).to_have_attribute("data-time-ms", str(t0 + 120_550 + 250 * 40))
+    expect(chart).to_have_attribute("data-num-lines", "33")
+    expect(idle).to_have_count(32)
+    assert [item.get_attribute("data-tenant") for item in idle.all()] == names[8:]

@@ -13,8 +13,13 @@ from gateway.openai_api import (
     OpenAIError,
     Reply,
     error_of_code,
+    invalid,
+    model_body,
+    model_not_found,
+    models_body,
     parse_chat,
     parse_completion,
+    unauthorized,
 )
 from shared.protocol import ChatMessage, Done, Timings, Usage
 
@@ -74,6 +79,10 @@ def test_content_parts_and_roles() -> None:
     ]
 
 
+# What `continuous_usage_stats` must not be.
+NOT_BOOLEANS: list[Any] = ["true", 1, None, []]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -88,6 +97,10 @@ def test_content_parts_and_roles() -> None:
         (chat(temperature="1"), HTTPStatus.BAD_REQUEST, "temperature"),
         (chat(stream_options={"include_usage": True}), HTTPStatus.BAD_REQUEST, "stream_options"),
         (chat(stream=True, stream_options={"x": 1}), HTTPStatus.BAD_REQUEST, "stream_options"),
+        *[(chat(stream=True, stream_options={"include_usage": True,
+                                             "continuous_usage_stats": value}),
+           HTTPStatus.BAD_REQUEST, "stream_options.continuous_usage_stats")
+          for value in NOT_BOOLEANS],
         (b'{"messages": [{"role": "user"}]}', HTTPStatus.BAD_REQUEST, "messages[0].content"),
         (b'{"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}',
          HTTPStatus.BAD_REQUEST, "messages[0].tool_calls"),
@@ -163,8 +176,9 @@ def events(data: bytes) -> list[Any]:
 
 def test_a_streamed_chat_reply() -> None:
     parsed = parse_chat(chat(stream=True, stream_options={"include_usage": True}), MODEL)
-    reply = Reply(parsed, MODEL, "r1", created=5)
-    data = reply.head() + reply.token("He") + reply.token("") + reply.token("y") + reply.done(DONE)
+    reply = Reply(parsed, MODEL, "r1", num_prompt_tokens=3, created=5)
+    data = reply.head() + reply.token("He", 1) + reply.token("", 2) + reply.token("y", 2)
+    data += reply.done(DONE)
     *chunks, last = events(data)
     assert last == "[DONE]"
     decoded = [json.loads(chunk) for chunk in chunks]
@@ -191,9 +205,9 @@ def test_a_streamed_chat_reply() -> None:
 
 
 def test_whole_replies() -> None:
-    reply = Reply(parse_chat(chat(), MODEL), MODEL, "r2", created=5)
-    reply.token("Hel")
-    reply.token("lo")
+    reply = Reply(parse_chat(chat(), MODEL), MODEL, "r2", num_prompt_tokens=3, created=5)
+    reply.token("Hel", 1)
+    reply.token("lo", 2)
     body = json.loads(reply.done(DONE))
     assert body["object"] == "chat.completion" and body["created"] == 5
     assert body["choices"] == [
@@ -205,16 +219,17 @@ def test_whole_replies() -> None:
         }
     ]
     assert body["usage"]["total_tokens"] == 5
-    text = Reply(parse_completion(b'{"prompt": "x"}', MODEL), MODEL, "r3", created=5)
-    text.token("ok")
+    text = Reply(parse_completion(b'{"prompt": "x"}', MODEL), MODEL, "r3", num_prompt_tokens=1)
+    text.token("ok", 1)
     cancelled = Done("http", "cancelled", Usage(1, 1), Timings(None, 1.0))
     body = json.loads(text.done(cancelled))
     assert body["id"] == "cmpl-r3" and body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "ok" and body["choices"][0]["finish_reason"] == "abort"
     # A streamed completion has no usage field unless asked for.
-    streamed = Reply(parse_completion(b'{"prompt": "x", "stream": true}', MODEL), MODEL, "r4")
+    streamed_completion = parse_completion(b'{"prompt": "x", "stream": true}', MODEL)
+    streamed = Reply(streamed_completion, MODEL, "r4", num_prompt_tokens=1)
     assert streamed.head() == b""
-    chunk = json.loads(events(streamed.token("a"))[0])
+    chunk = json.loads(events(streamed.token("a", 1))[0])
     assert "usage" not in chunk and chunk["choices"][0]["text"] == "a"
 
 
@@ -228,3 +243,98 @@ def test_null_is_every_fields_default() -> None:
     parsed = parse_chat(chat(**nulls), MODEL)
     assert parsed.generate == parse_chat(chat(), MODEL).generate
     assert not parsed.stream
+
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk() -> None:
+    parsed = parse_chat(chat(stream=True, stream_options=CONTINUOUS), MODEL)
+    assert parsed.include_usage and parsed.continuous_usage
+    reply = Reply(parsed, MODEL, "r1", num_prompt_tokens=3, created=5)
+    data = reply.head() + reply.token("He", 1) + reply.token("", 2) + reply.token("y", 2)
+    data += reply.done(DONE)
+    *chunks, last = events(data)
+    assert last == "[DONE]"
+    decoded = [json.loads(chunk) for chunk in chunks]
+    # The role, "He", "y", the finish, then the whole usage alone (as without).
+    assert [d["usage"] for d in decoded[:4]] == [usage(3, 0), usage(3, 1), usage(3, 2), usage(3, 2)]
+    assert decoded[3]["choices"][0]["finish_reason"] == "stop"
+    assert decoded[4]["choices"] == []
+    assert decoded[4]["usage"] == {**usage(3, 2), "prompt_tokens_details": {"cached_tokens": 0}}
+
+    completion = parse_completion(
+        json.dumps({"prompt": "x", "stream": True, "stream_options": CONTINUOUS}).encode(), MODEL
+    )
+    text = Reply(completion, MODEL, "r2", num_prompt_tokens=1)
+    data = text.head() + text.token("a", 1) + text.token("b", 2)
+    data += text.done(Done("http", "length", Usage(1, 2), Timings(1.0, 2.0)))
+    decoded = [json.loads(chunk) for chunk in events(data)[:-1]]
+    assert [d["choices"][0]["text"] for d in decoded[:3]] == ["a", "b", ""]
+    assert [d["usage"] for d in decoded[:3]] == [usage(1, 1), usage(1, 2), usage(1, 2)]
+    assert decoded[3]["choices"] == [] and decoded[3]["usage"]["total_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "stream_options",
+    [
+        {"include_usage": True, "continuous_usage_stats": False},
+        {"include_usage": True},
+        # As vLLM takes it: without include_usage, no usage at all.
+        {"continuous_usage_stats": True},
+        {"include_usage": False, "continuous_usage_stats": True},
+    ],
+)
+def test_without_continuous_usage_only_the_last_chunk_has_it(
+    stream_options: dict[str, bool],
+) -> None:
+    parsed = parse_chat(chat(stream=True, stream_options=stream_options), MODEL)
+    assert not parsed.continuous_usage
+    reply = Reply(parsed, MODEL, "r1", num_prompt_tokens=3)
+    data = reply.head() + reply.token("He", 1) + reply.done(DONE)
+    decoded = [json.loads(chunk) for chunk in events(data)[:-1]]
+    with_choices = [d for d in decoded if d["choices"]]
+    assert len(with_choices) == 3
+    if parsed.include_usage:
+        assert all(d["usage"] is None for d in with_choices)
+        assert decoded[-1]["usage"]["completion_tokens"] == 2
+    else:
+        assert not any("usage" in d for d in decoded)
+
+
+def test_one_model_is_the_one_listed() -> None:
+    listed = json.loads(models_body(MODEL, 8192, 5))["data"]
+    assert listed == [json.loads(model_body(MODEL, 8192, 5))]
+    assert listed[0]["id"] == MODEL and listed[0]["object"] == "model"
+    missing = model_not_found("org/other", MODEL, None)
+    assert missing.status == HTTPStatus.NOT_FOUND
+    error = json.loads(missing.body())["error"]
+    assert error == {
+        "message": error["message"],
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "model_not_found",
+    }
+
+
+def test_each_refusal_is_counted_under_its_code() -> None:
+    forbidden = OpenAIError(HTTPStatus.FORBIDDEN, "m", type="permission_error")
+    codes = {
+        "invalid_request": [invalid("m", "n"), OpenAIError(HTTPStatus.BAD_REQUEST, "m")],
+        "model_not_found": [model_not_found("x", MODEL, "model")],
+        "invalid_api_key": [unauthorized("m")],
+        "forbidden": [forbidden],
+        "not_found": [OpenAIError(HTTPStatus.NOT_FOUND, "m")],
+        "method_not_allowed": [OpenAIError(HTTPStatus.METHOD_NOT_ALLOWED, "m")],
+        "context_length_exceeded": [error_of_code("prompt_too_long", "m")],
+    }
+    for code, errors in codes.items():
+        assert [error.metric_code for error in errors] == [code] * len(errors)

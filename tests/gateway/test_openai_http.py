@@ -14,6 +14,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import yarl
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
@@ -57,6 +59,15 @@ async def post(
             data=data,
             headers={"Content-Type": "application/json", **(headers or {})},
         ) as response,
+    ):
+        return response.status, await response.json(content_type=None)
+
+
+async def get(server: GatewayServer, path: str) -> tuple[int, Any]:
+    """GET ``path`` exactly as written (percent-escapes and all); the status and JSON."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(yarl.URL(f"{server.http_url}{path}", encoded=True)) as response,
     ):
         return response.status, await response.json(content_type=None)
 
@@ -152,6 +163,110 @@ def test_chat_and_completions_with_the_openai_client_streaming_and_not(
         assert submit.prompt_ids == [1, 2, 3]
         await upstream.publish(*worker_tokens(chat_tokenizer, submit.request_id, "ok"))
         assert (await call_ids).choices[0].text == "ok"
+        await client.close()
+
+    run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
+
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_id_is_a_404(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        client = client_of(server)
+        listed = await client.models.list()
+        model = await client.models.retrieve(MODEL)
+        assert model == listed.data[0] and model.id == MODEL
+        # Every character percent-encoded is the same id.
+        encoded = "".join(f"%{byte:02X}" for byte in MODEL.encode())
+        status, reply = await get(server, f"/v1/models/{encoded}")
+        _, models = await get(server, "/v1/models")
+        assert status == 200 and reply == models["data"][0]
+        # The client sends `/` as %2F, `?` as %3F, `#` as %23.
+        unknown = ["HuggingFaceTB/" + MODEL, MODEL + "/", MODEL.lower(), "gpt-4o", "a b%c?d#e"]
+        for model_id in unknown:
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve(model_id)
+            assert missing.value.code == "model_not_found", model_id
+            assert missing.value.type == "invalid_request_error" and missing.value.param is None
+        # A `/` sent as it is stays in the id (a missing route would have no code).
+        for path in ("HuggingFaceTB/" + MODEL, MODEL + "/", MODEL + "/x"):
+            status, reply = await get(server, f"/v1/models/{path}")
+            assert status == 404 and reply["error"]["code"] == "model_not_found", path
+        status, reply = await get(server, "/v1/models/")
+        assert status == 404 and reply["error"]["code"] is None
+        await client.close()
+        counts = error_counts(await scrape(server))
+        assert counts == {"model_not_found": len(unknown) + 3, "not_found": 1}
+
+    run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
+
+
+def usage_of(chunk: Any) -> tuple[int, int, int]:
+    """A streamed chunk's prompt, completion and total tokens (it must have them)."""
+    assert chunk.usage is not None, chunk
+    usage = chunk.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    continuous: Any = {"include_usage": True, "continuous_usage_stats": True}
+
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        client = client_of(server)
+
+        async def stream_chat() -> list[Any]:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=50, stream=True, stream_options=continuous
+            )
+            return [chunk async for chunk in stream]
+
+        call = asyncio.create_task(stream_chat())
+        submit = await upstream.next_submit()
+        tokens = worker_tokens(chat_tokenizer, submit.request_id, "One two three", "stop")
+        await upstream.publish(*tokens)
+        chunks = await call
+        num_prompt_tokens, num_tokens = len(submit.prompt_ids), len(tokens)
+        usages = [usage_of(chunk) for chunk in chunks]
+        assert {prompt_tokens for prompt_tokens, _, _ in usages} == {num_prompt_tokens}
+        # The role, one chunk per token, the finish, then the usage alone.
+        expected = [0, *range(1, num_tokens + 1), num_tokens, num_tokens]
+        assert [completion_tokens for _, completion_tokens, _ in usages] == expected
+        assert [bool(chunk.choices) for chunk in chunks] == [True] * (num_tokens + 2) + [False]
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+        async def stream_completion() -> list[Any]:
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt="Once upon",
+                max_tokens=5,
+                stream=True,
+                stream_options=continuous,
+            )
+            return [chunk async for chunk in stream]
+
+        call_text = asyncio.create_task(stream_completion())
+        submit = await upstream.next_submit()
+        tokens = worker_tokens(chat_tokenizer, submit.request_id, " a time")
+        await upstream.publish(*tokens)
+        usages = [usage_of(chunk) for chunk in await call_text]
+        num_tokens = len(tokens)
+        expected = [*range(1, num_tokens + 1), num_tokens, num_tokens]
+        assert [completion_tokens for _, completion_tokens, _ in usages] == expected
+        assert {prompt_tokens for prompt_tokens, _, _ in usages} == {len(submit.prompt_ids)}
+
+        # Anything but a boolean is a 400 naming the field; nothing reaches the scheduler.
+        not_booleans: list[Any] = ["true", 1, None, {}]
+        for value in not_booleans:
+            options: Any = {"include_usage": True, "continuous_usage_stats": value}
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.completions.create(
+                    model=MODEL, prompt="x", stream=True, stream_options=options
+                )
+            assert refused.value.param == "stream_options.continuous_usage_stats", value
+        assert await upstream.redis.xlen(KEYS.requests) == 2
         await client.close()
 
     run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
@@ -364,13 +479,19 @@ def test_keys_and_origins_as_on_the_websocket(
         assert status == 403 and reply["error"]["type"] == "permission_error"
         with pytest.raises(openai.AuthenticationError):
             await client_of(server, "opk_nope").models.list()
+        # One model as the list: a key first, even for an id that does not exist.
+        for model_id in (MODEL, "nope"):
+            with pytest.raises(openai.AuthenticationError):
+                await client_of(server, "opk_nope").models.retrieve(model_id)
         client = client_of(server, "opk_alice")
+        assert (await client.models.retrieve(MODEL)).id == MODEL
         call = asyncio.create_task(client.completions.create(model=MODEL, prompt="x"))
         submit = await upstream.next_submit()
         assert submit.tenant == "alice"
         await upstream.publish(*worker_tokens(chat_tokenizer, submit.request_id, "hi"))
         assert (await call).choices[0].text == "hi"
         await client.close()
+        assert error_counts(await scrape(server)) == {"invalid_api_key": 7, "forbidden": 1}
 
     run_with_gateway(
         redis_server, chat_tokenizer, model_limits, scenario, tenants_file=tenants_file
@@ -420,6 +541,7 @@ def test_a_revoked_keys_http_stream_ends_with_an_error_event(
         error = assert_ends_with_error(events, "authentication_error")
         assert error["message"] == "API key revoked"
         assert (await upstream.next_cancel()).request_id == submit.request_id
+        assert error_counts(await scrape(server)) == {"invalid_api_key": 1}
 
     run_with_gateway(
         redis_server,
@@ -446,6 +568,9 @@ def test_an_http_stream_still_running_at_shutdown_ends_with_an_error_event(
         events = await asyncio.wait_for(call, TIMEOUT_S)
         error = assert_ends_with_error(events, "server_error")
         assert error["code"] == "service_unavailable"
+        # Counted (the gateway is gone: read from its registry).
+        samples = samples_of(generate_latest(server.metrics.registry).decode())
+        assert error_counts(samples) == {"service_unavailable": 1}
 
     asyncio.run(main())
 
@@ -503,17 +628,79 @@ def test_metrics_count_what_clients_were_sent(
     run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario)
 
 
+def test_every_refusal_of_the_openai_api_is_counted_under_its_code(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    async def scenario(server: GatewayServer, upstream: FakeUpstream) -> None:
+        client = client_of(server)
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="gpt-4o", messages=CHAT)
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("gpt-4o")
+        options: Any = {"include_usage": True, "continuous_usage_stats": "yes"}
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(
+                model=MODEL, prompt="x", stream=True, stream_options=options
+            )
+        assert (await post(server, "/v1/chat/completions", b'{"messages": ['))[0] == 400
+        assert (await post(server, "/v1/completions", b"{" + b" " * (64 << 10) + b"}"))[0] == 413
+        async with aiohttp.ClientSession() as session:
+            for method, path, headers, expected in (
+                ("POST", "/v1/completions", {"Content-Type": "text/plain"}, 415),
+                ("POST", "/v1/nothing", {}, 404),
+                ("GET", "/v1/chat/completions", {}, 405),
+            ):
+                url = f"{server.http_url}{path}"
+                async with session.request(method, url, data=b"{}", headers=headers) as response:
+                    assert response.status == expected
+        # Refused by the core (its `error` frame): counted once, under the frame's code.
+        status, _ = await post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0})
+        assert status == 400
+        # Served: no error.
+        call = asyncio.create_task(client.completions.create(model=MODEL, prompt="x"))
+        submit = await upstream.next_submit()
+        await upstream.publish(*worker_tokens(chat_tokenizer, submit.request_id, "ok"))
+        assert (await call).choices[0].text == "ok"
+        await client.close()
+        assert error_counts(await scrape(server)) == {
+            "invalid_request": 4,
+            "model_not_found": 2,
+            "request_too_large": 1,
+            "unsupported_media_type": 1,
+            "not_found": 1,
+            "method_not_allowed": 1,
+        }
+
+    run_with_gateway(redis_server, chat_tokenizer, model_limits, scenario, max_frame_bytes=64 << 10)
+
+
 async def scrape(server: GatewayServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The gateway's /metrics, by name and labels (less ``gateway``)."""
+    """The gateway's /metrics, by name and labels (less ``gateway`` and ``model_name``)."""
     async with (
         aiohttp.ClientSession() as session,
         session.get(f"{server.http_url}/metrics") as response,
     ):
         assert response.status == 200
-        text = await response.text()
+        return samples_of(await response.text())
+
+
+def samples_of(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text, by name and labels (less ``gateway`` and ``model_name``)."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             assert sample.labels.pop("gateway", GATEWAY_ID) == GATEWAY_ID
+            assert sample.labels.pop("model_name", MODEL) == MODEL
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
+
+
+def error_counts(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+    """``orcapod_request_errors_total`` by ``code``."""
+    return {
+        dict(labels)["code"]: value
+        for (name, labels), value in samples.items()
+        if name == "orcapod_request_errors_total"
+    }

@@ -1,4 +1,5 @@
-"""Loading: clear errors for what is not a model, K/V sizing, device and dtype choice."""
+"""Loading: clear errors for what is not a model, device and dtype choice (the K/V
+pool's size: test_kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from gpu_worker.device import choose_device, choose_dtype, cpu_has_native_bf16
 from gpu_worker.engine import Engine
-from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block, num_blocks_for_budget
+from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.model_config import ModelLoadError, load_model_config
 from gpu_worker.model_loading import load_model
 from shared.messages import SamplingParams
@@ -74,23 +75,6 @@ def test_a_missing_weight_is_named(tiny_dir, tmp_path):
 
 def test_stop_tokens_come_from_config_and_the_vocabulary(tiny_dir):
     assert 2 in load_model_config(tiny_dir).eos_token_ids
-
-
-def test_kv_pool_is_sized_from_bytes_or_a_fraction(tiny_dir):
-    config = load_model_config(tiny_dir)
-    per_block = bytes_per_block(config, 16, torch.float32)
-    # K and V, 2 layers, 16 tokens, 2 kv heads of 16 dims, 4 bytes.
-    assert per_block == 2 * 2 * 16 * 2 * 16 * 4
-    cpu = torch.device("cpu")
-    assert (
-        num_blocks_for_budget(
-            config, KVCacheBudget(num_bytes=10 * per_block + 5), cpu, torch.float32
-        )
-        == 10
-    )
-    assert num_blocks_for_budget(config, KVCacheBudget(fraction=0.001), cpu, torch.float32) > 10
-    with pytest.raises(ValueError, match="not even one block"):
-        num_blocks_for_budget(config, KVCacheBudget(num_bytes=per_block - 1), cpu, torch.float32)
 
 
 def test_device_and_dtype_are_automatic_and_overridable(tmp_path):
