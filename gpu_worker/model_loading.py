@@ -29,7 +29,7 @@ def load_model(
 ) -> LlamaModel:
     """Load a Hugging Face-format Llama directory on the chosen device and dtype.
 
-    ``weight_format`` 'float16' or 'int4' packs the matrices for the CPU's
+    ``weight_format`` 'q4_1', 'float16' or 'int4' packs the matrices for the CPU's
     kernels (``quantized_linear``; 'auto' picks float16 where they
     run, the loaded tensors elsewhere); where they cannot run, or their
     logits of a probe prompt stray from the loaded weights', the loaded

@@ -2,8 +2,15 @@
 
 The forward pass calls ``linear(x, weight)`` for every projection and the LM
 head; ``weight`` is either a plain tensor (``F.linear``: the exact path) or a
-matrix packed for one of the x86 kernels that ship in every x86 torch wheel
-(fbgemm's fp16 one, and torch's own 4-bit one):
+matrix packed for one of the x86 kernels: the project's own Q4_1 one, or those
+that ship in every x86 torch wheel (fbgemm's fp16 one, and torch's own 4-bit one):
+
+- ``q4_1``: for weights on llama.cpp's Q4_1 grid (the packaged model's layers),
+  held exactly (4-bit levels, an fp16 scale and minimum per 32) for
+  ``q4_1_kernel.py``'s C++ kernel; fp32 activations and accumulation, the same
+  arithmetic for a row alone or in a batch (calls of 32 rows or more, prefills,
+  dequantize to fp32 and take torch's matmul). The LM head off the grid (the
+  packaged one is Q8_0) is kept as the float16 format keeps it.
 
 - ``float16``: weights rounded to fp16 once; activations and accumulation
   stay fp32 (about 0.02 % per layer, independent of the batch).
@@ -44,6 +51,12 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gpu_worker.device import cpu_has_native_bf16
+from gpu_worker.q4_1_kernel import (
+    Q4_1_DENSE_FROM_ROWS,
+    Q41Matrix,
+    Q41PackError,
+    kernel_unavailable_reason,
+)
 from shared.settings import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
@@ -54,6 +67,11 @@ if TYPE_CHECKING:
 # fp32's, logits within 0.15 %, 1.6-1.8x fp32's decode at batch 1 (AVX2,
 # docs/benchmarks.md, *Issue 14, second step*), and a request's answer the
 # same whatever runs beside it (fp32 arithmetic, row by row).
+# q4_1 is not tried yet, though a lone chat decodes 1.1-1.3x float16's speed
+# with it (the layers read as the file holds them, a third of the bytes): its
+# kernel reads every weight once per row of a call, so a step of 64 decodes
+# took 290 ms against float16's 196 (docs/benchmarks.md, *Current numbers*),
+# and a service's throughput is made of such steps. ``--weights q4_1`` is a choice.
 # int4 is not tried, though it reads a quarter of float16's bytes where it
 # runs (*Issue 14, fourth step*): it rounds every layer's output to bf16, and
 # by one kernel at up to 8 rows and another above, so a greedy answer can
@@ -329,11 +347,70 @@ class Int4Linear:
 
 
 @dataclass(frozen=True)
+class Q41Linear:
+    """``[out, in]`` weights on llama.cpp's Q4_1 grid (the packaged model's layers),
+    held exactly in 4 bits plus an fp16 scale and minimum per 32, for the project's
+    own kernel (``q4_1_kernel.py``): fp32 activations and accumulation, the same
+    arithmetic for every row of a call of fewer than ``Q4_1_DENSE_FROM_ROWS`` rows
+    whatever else is in it (exact to fp32 rounding), about a third of float16's
+    bytes; larger calls (prefill chunks) multiply the same weights dequantized to
+    fp32. Eager steps and the lone compiled graph call the same op."""
+
+    matrix: Q41Matrix
+
+    weight_format: ClassVar[str] = "q4_1"
+    traceable: ClassVar[bool] = True
+    # A batch's graph could call the op as well (it ran), but each graph costs a
+    # worker's first start a minute or more on two cores: batches run eagerly,
+    # as float16's do, the kernel doing the same arithmetic either way.
+    traceable_for_batches: ClassVar[bool] = False
+    # From Q4_1_DENSE_FROM_ROWS rows, the dequantized matrix and torch's fp32 matmul.
+    kernel_changes_above: ClassVar[int | None] = Q4_1_DENSE_FROM_ROWS - 1
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Q41Linear:
+        """``weight`` [out, in] (fp32) on the Q4_1 grid; PackError otherwise."""
+        try:
+            return cls(Q41Matrix.pack(weight))
+        except Q41PackError as error:
+            raise PackError(str(error)) from None
+
+    @classmethod
+    def pack_head(cls, weight: torch.Tensor) -> Q41Linear | Float16Linear:
+        """The LM head [vocab, hidden] (fp32): Q4_1 where it lies on the grid, else
+        fp16 as the float16 format keeps it (the packaged model's head is Q8_0)."""
+        try:
+            return cls.pack(weight)
+        except PackError:
+            return Float16Linear.pack_head(weight)
+
+    @property
+    def out_features(self) -> int:
+        return self.matrix.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.matrix.in_features
+
+    def computes_dense_bf16(self, num_rows: int) -> bool:
+        """Never: fp32 arithmetic."""
+        return False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] fp32 -> [T, out] fp32."""
+        return self.matrix(x)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.matrix.num_bytes
+
+
+@dataclass(frozen=True)
 class WithTracedForm:
     """One matrix in two forms: ``eager``'s kernels (fbgemm's, opaque to the tracer)
     outside compiled graphs, ``traced`` inside them. The LM head on a Q8_0 grid."""
 
-    eager: Float16Linear | Int4Linear
+    eager: Float16Linear | Int4Linear | Q41Linear
     traced: Int8GroupLinear
 
     # Graphs trace the int8 form; only the lone graph, at one row, takes the head.
@@ -362,10 +439,10 @@ class WithTracedForm:
         return self.eager.num_bytes + self.traced.num_bytes
 
 
-PackedLinear = Float16Linear | Int4Linear | WithTracedForm
-Packer = type[Float16Linear] | type[Int4Linear]
+PackedLinear = Float16Linear | Int4Linear | Q41Linear | WithTracedForm
+Packer = type[Float16Linear] | type[Int4Linear] | type[Q41Linear]
 _PACKERS: dict[str, Packer] = {
-    packer.weight_format: packer for packer in (Float16Linear, Int4Linear)
+    packer.weight_format: packer for packer in (Float16Linear, Int4Linear, Q41Linear)
 }
 
 
@@ -416,6 +493,8 @@ def unsupported_reason(
         native = cpu_has_native_bf16() if bf16_native is None else bf16_native
         if not native:
             return "int4 computes in bf16, which this CPU emulates (no avx512_bf16): slow"
+    if weight_format == "q4_1":
+        return kernel_unavailable_reason()
     return None
 
 
@@ -439,6 +518,8 @@ def pack_weights(
     is (a lookup reads T rows).
     """
     candidates = candidate_formats(weight_format, device, dtype)
+    if weight_format == "auto":
+        _log_auto_formats_that_cannot_run(candidates, device, dtype)
     exact: torch.Tensor | None = None
     for index, candidate in enumerate(candidates):
         packed: ModelWeights | None = None
@@ -471,6 +552,25 @@ def pack_weights(
             using=candidates[index + 1] if index + 1 < len(candidates) else loaded,
         )  # fmt: skip
     return weights
+
+
+def _log_auto_formats_that_cannot_run(
+    candidates: tuple[str, ...], device: torch.device, dtype: torch.dtype
+) -> None:
+    """One ``weights_not_packed`` line for each of ``AUTO_CPU_FORMATS`` that cannot run
+    on this CPU (the Q4_1 kernel not built, no fbgemm), so that the fallback says
+    why; none on another device or dtype, where no packed format runs."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return
+    for skipped in AUTO_CPU_FORMATS:
+        if skipped in candidates:
+            continue
+        reason = unsupported_reason(device, dtype, weight_format=skipped)
+        loaded = "the loaded tensors (exact path)"
+        _log.warning(
+            "weights_not_packed", weight_format=skipped, reason=reason,
+            using=candidates[0] if candidates else loaded,
+        )  # fmt: skip
 
 
 def candidate_formats(

@@ -65,3 +65,6 @@ if [ ! -x /usr/bin/chromium ]; then
 fi
 
 orcapod model prepare
+# The Q4_1 kernel (gpu_worker/csrc/q4_1_linear.cpp), built once into the cache with
+# g++ (about 15 s); where it cannot be, the worker keeps float16 and says why.
+python -m gpu_worker.q4_1_kernel || true

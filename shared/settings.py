@@ -233,7 +233,7 @@ def kv_cache_fraction_flag(text: str) -> float:
 
 # The worker's --weights choices (gpu_worker/quantized_linear.py packs them);
 # "auto" tries the fastest one the device runs first (``candidate_formats``).
-WEIGHT_FORMATS = ("auto", "float32", "float16", "int4")
+WEIGHT_FORMATS = ("auto", "float32", "float16", "int4", "q4_1")
 
 
 @dataclass(frozen=True)
@@ -246,8 +246,9 @@ class WorkerSettings:
     device: str | None = None
     dtype: str | None = None
     # How the matrices are held: 'float32' (exact), or packed for the CPU's
-    # kernels, 'float16' (fbgemm's) or 'int4' (gpu_worker/quantized_linear.py);
-    # 'auto': float16 on a CPU in float32, the loaded tensors elsewhere.
+    # kernels, 'q4_1' (orcapod's), 'float16' (fbgemm's) or 'int4'
+    # (gpu_worker/quantized_linear.py); 'auto': float16 on a CPU in float32, the
+    # loaded tensors elsewhere.
     weight_format: str = "auto"
     attention_backend: str | None = None
     # The K/V pool: kv_cache_bytes exactly, else kv_cache_fraction (None: the

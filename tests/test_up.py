@@ -153,7 +153,7 @@ def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_an
 def test_up_serves_the_cpu_default_weights_packed(service):
     _, _, up = service
     # Logged by the worker before it joined, so before "ready": float16 on every
-    # CPU (int4, where bf16 units exist, is a choice: answers change with the batch).
+    # CPU (q4_1 and int4 are choices: gpu_worker/quantized_linear.py says why).
     packed = [line for line in up.output if "weights_packed" in line]
     assert packed and '"weight_format": "float16"' in packed[0], packed
 

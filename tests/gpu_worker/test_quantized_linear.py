@@ -31,7 +31,9 @@ from gpu_worker.quantized_linear import (
     Int4Linear,
     Int8GroupLinear,
     PackError,
+    Q41Linear,
     WithTracedForm,
+    candidate_formats,
     linear,
     pack_weights,
     resolve_weight_format,
@@ -287,9 +289,14 @@ def test_an_unknown_weight_format_is_refused(tiny_dir):
 def test_auto_is_float16_where_fbgemm_runs_and_the_loaded_tensors_elsewhere(monkeypatch):
     monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: False)
     assert resolve_weight_format("auto", CPU, torch.float32) == "float16"
+    assert candidate_formats("auto", CPU, torch.float32) == ("float16",)
     assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
     assert resolve_weight_format("auto", CPU, torch.bfloat16) == "float32"
-    for chosen in ("float32", "float16", "int4"):
+    # q4_1 where its kernel is built; where not (no AVX2/FMA/F16C, no compiler), said why.
+    assert unsupported_reason(CPU, torch.float32, weight_format="q4_1") is None
+    monkeypatch.setattr(quantized_linear, "kernel_unavailable_reason", lambda: "no AVX2")
+    assert unsupported_reason(CPU, torch.float32, weight_format="q4_1") == "no AVX2"
+    for chosen in ("float32", "float16", "int4", "q4_1"):
         assert resolve_weight_format(chosen, CPU, torch.float32) == chosen
     with pytest.raises(ValueError, match="'int8' is not one of"):  # a dropped format
         resolve_weight_format("int8", CPU, torch.float32)
@@ -302,15 +309,14 @@ def test_the_worker_flag_sets_the_weight_format(monkeypatch, capsys):
     assert parse_settings([]).weight_format == "auto"
     assert parse_settings(["--weights=float16"]).weight_format == "float16"
     assert parse_settings(["--weights=int4"]).weight_format == "int4"
-    with pytest.raises(SystemExit):
-        parse_settings(["--weights", "q4_1"])
+    assert parse_settings(["--weights=q4_1"]).weight_format == "q4_1"
     # $ORCAPOD_WEIGHTS stands in for the flag, which wins; a bad value is a usage error.
     monkeypatch.setenv("ORCAPOD_WEIGHTS", "float32")
     assert parse_settings([]).weight_format == "float32"
     assert parse_settings(["--weights=auto"]).weight_format == "auto"
     monkeypatch.setenv("ORCAPOD_WEIGHTS", "")
     assert parse_settings([]).weight_format == "auto"
-    for bad in ("int4 ", "FLOAT16", " float16", "nan", "q4_1", "int8"):
+    for bad in ("int4 ", "FLOAT16", " float16", "nan", "Q4_1", "q4_0", "int8"):
         monkeypatch.setenv("ORCAPOD_WEIGHTS", bad)
         with pytest.raises(SystemExit) as exit_info:
             parse_settings([])
@@ -335,6 +341,7 @@ def test_auto_stays_float16_where_the_cpu_computes_bf16(bf16_native):
     # int4 runs here, but its bf16 rounding lets a greedy answer change with the
     # batch it runs in (tests/gpu_worker/test_step_paths.py): a choice, not the default.
     assert resolve_weight_format("auto", CPU, torch.float32) == "float16"
+    assert "int4" not in candidate_formats("auto", CPU, torch.float32)
     assert resolve_weight_format("int4", CPU, torch.float32) == "int4"
     assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
     assert unsupported_reason(CPU, torch.float32, weight_format="int4", bf16_native=True) is None
@@ -453,3 +460,48 @@ def test_int4_on_odd_shapes_keeps_the_model_exact(tmp_path, bf16_native):
     assert entry["event"] == "weights_not_packed" and "exact path" in entry["using"]
     assert entry["reason"] == "layers.0.gate_up_proj has 200 rows, not a multiple of 16"
     assert weight_format_of(model.weights) == "float32"
+
+
+# --- q4_1: the project's kernel on the Q4_1 grid ------------------------------------------
+
+
+def test_q4_1_holds_the_layers_and_keeps_an_off_grid_head_in_float16(grid_dir):
+    with capture_logs() as logs:
+        model = load_model(grid_dir, "cpu", "float32", "q4_1")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_packed" and entry["weight_format"] == "q4_1"
+    assert entry["probe_logit_error"] < 1e-3  # the layers exact; the head rounded to fp16
+    assert weight_format_of(model.weights) == "q4_1"
+    assert isinstance(model.weights.layers[0].qkv_proj, Q41Linear)
+    head = model.weights.lm_head
+    eager_head = head.eager if isinstance(head, WithTracedForm) else head
+    assert isinstance(eager_head, Float16Linear)
+
+
+def test_q4_1_weights_generate_what_fp32_does_with_the_same_weights(grid_dir):
+    """Greedy and sampled, three requests in one batch (prefill and decode through the
+    kernel): the same tokens as the exact path on the same weights."""
+    fp32 = load_model(grid_dir, "cpu", "float32")
+    model = load_model(grid_dir, "cpu", "float32", "q4_1")
+    assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
+    assert _generate(model, SAMPLED) == _generate(fp32, SAMPLED)
+
+
+def test_q4_1_where_a_layer_is_off_the_grid_keeps_the_model_exact(grid_dir, tmp_path):
+    odd_dir = _with_weight(grid_dir, tmp_path / "odd", "model.layers.1.mlp.down_proj.weight", 0.123)
+    with capture_logs() as logs:
+        model = load_model(odd_dir, "cpu", "float32", "q4_1")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_not_packed" and entry["weight_format"] == "q4_1"
+    assert entry["reason"].startswith("layers.1.down_proj") and "exact path" in entry["using"]
+    assert weight_format_of(model.weights) == "float32"
+
+
+def test_q4_1_where_the_kernel_cannot_run_keeps_the_model_exact_and_says_why(grid_dir, monkeypatch):
+    reason = "the Q4_1 kernel needs avx2, which this CPU lacks"
+    monkeypatch.setattr(quantized_linear, "kernel_unavailable_reason", lambda: reason)
+    with capture_logs() as logs:
+        model = load_model(grid_dir, "cpu", "float32", "q4_1")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_not_packed" and entry["reason"] == reason
+    assert "exact path" in entry["using"] and weight_format_of(model.weights) == "float32"

@@ -54,6 +54,7 @@ CASES = [
     pytest.param("float32", True, id="float32-compiled"),
     pytest.param("float32", False, id="float32-eager"),
     pytest.param("float16", False, id="float16-eager"),
+    pytest.param("q4_1", False, id="q4_1-eager"),
     pytest.param(
         "int4",
         False,
@@ -63,6 +64,8 @@ CASES = [
 ]
 if DEFAULT != "float16":
     CASES.append(pytest.param("float16", True, id="float16-compiled"))
+# q4_1 (--weights q4_1): the project's kernel, eagerly and inside the lone graph.
+CASES.append(pytest.param("q4_1", True, id="q4_1-compiled"))
 # int4 compiled (not a default; --weights int4 only) is not run here: its three
 # graphs cost the suite two minutes on two cores from a cold compile cache, which
 # the 20-minute budget cannot hold. Its graphs are checked against its eager
@@ -125,9 +128,9 @@ def test_overlapping_chats_answer_as_each_alone(
     reason="this CPU is AVX2-only: the default case above is the AVX2 one",
 )
 def test_the_default_held_to_avx2_answers_as_alone(prepared_model_dir) -> None:
-    """AVX2-only CPUs (most laptops and many VMs) get another default (float16, no
-    int4, the LM head in fp16 outside the graph): held to AVX2 here, in a process
-    of its own, compiled as users run it."""
+    """AVX2-only CPUs (most laptops and many VMs) run the default through other
+    code (torch's and inductor's AVX2 kernels, the LM head in fp16 outside the
+    graph): held to AVX2 here, in a process of its own, compiled as users run it."""
     # Inductor's cache does not keep the two ISAs' graphs apart (gpu_worker/device.py).
     cache = Path(tempfile.gettempdir()) / "torchinductor_orcapod_tests_avx2"
     environment = {
@@ -142,7 +145,7 @@ def test_the_default_held_to_avx2_answers_as_alone(prepared_model_dir) -> None:
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert result["weight_format"] == "float16"
+    assert result["weight_format"] == DEFAULT
     _check(result, compile_decode=True)
 
 

@@ -1,0 +1,211 @@
+"""The project's one C++ kernel, ``csrc/q4_1_linear.cpp``: a Q4_1 matrix times fp32
+activations on the CPU (AVX2, FMA, F16C), and the packing of a matrix for it.
+
+Built by ``torch.utils.cpp_extension`` with the C++ compiler the compiled
+decode already needs, once, into ``<cache>/extensions/<torch>/`` (``scripts/setup.sh``
+builds it; a worker that finds it missing builds it at start, about half a
+minute): loading it registers ``torch.ops.orcapod.q4_1_linear``, which eager
+steps call and compiled graphs call as an opaque op (its shape rule is
+registered here). A CPU without AVX2, FMA and F16C, or a build that fails,
+leaves it out with a reason (``kernel_unavailable_reason``): the worker keeps
+the float16 path and says why in one log line.
+
+``python -m gpu_worker.q4_1_kernel`` builds it (or says why it cannot).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+# Weights per group: one scale and one minimum for each 32 of a row.
+Q4_1_GROUP_SIZE = 32
+# Calls of this many rows or more (a prefill chunk, a large mixed step) dequantize the
+# matrix to fp32 in C++ and take torch's fp32 matmul, which reuses each weight
+# across rows as the kernel does not: measured on SmolLM2's gate/up (3072 x 576,
+# 2 threads, AVX-512 EPYC), the kernel 0.13 ms at 4 rows and 2.8 ms at 64, the
+# dequantize-then-matmul 1.8 ms at 64 and 10 ms at 512 (the kernel 22 ms); the
+# crossover lies near 32. Either side computes with the same weights; the
+# rounding of the sums differs (about 1e-7 relative), as a compiled graph's does
+# from an eager step's.
+Q4_1_DENSE_FROM_ROWS = 32
+SOURCE = Path(__file__).resolve().parent / "csrc" / "q4_1_linear.cpp"
+# The instructions the kernel is compiled for, and the CPU flags that say a CPU has them.
+# -fopenmp: at::parallel_for is OpenMP's in torch's CPU builds, and without it the
+# loop runs on one thread; torch's wheel ships libgomp.so.1, which the kernel then
+# shares (one soname, one thread pool).
+COMPILER_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
+LINKER_FLAGS = ("-fopenmp",)
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+_log = structlog.get_logger(__name__)
+
+
+class Q41PackError(ValueError):
+    """A matrix that Q4_1 cannot hold as it is."""
+
+
+def build_directory(cache_dir: Path | None = None) -> Path:
+    """Where the built kernel lives: one folder per torch version (its ABI)."""
+    root = cache_dir or Path(
+        os.environ.get("ORCAPOD_CACHE_DIR") or Path.home() / ".cache" / "orcapod"
+    )
+    return root / "extensions" / f"torch-{torch.__version__}"
+
+
+def missing_cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """Which of ``REQUIRED_CPU_FLAGS`` this CPU (or ``cpuinfo``'s text) lacks."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return list(REQUIRED_CPU_FLAGS)
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    return [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
+
+
+@functools.cache
+def kernel_unavailable_reason() -> str | None:
+    """None once the kernel is loaded (built first if needed); else why it cannot be."""
+    return unavailable_reason(missing_cpu_flags(), _load)
+
+
+def unavailable_reason(missing_flags: list[str], load: Callable[[], None]) -> str | None:
+    """Why the kernel cannot run, given the CPU flags it lacks and how to load it
+    (None once ``load`` returned)."""
+    if missing_flags:
+        return f"the Q4_1 kernel needs {', '.join(missing_flags)}, which this CPU lacks"
+    try:
+        load()
+    except Exception as error:  # a compiler missing or failing, a broken cache
+        text = str(error).strip()
+        first_line = text.splitlines()[0] if text else repr(error)
+        return f"the Q4_1 kernel could not be built or loaded: {first_line}"
+    return None
+
+
+def _load() -> None:
+    """Build (if needed) and load the kernel, and register its shape rule."""
+    from torch.utils import cpp_extension
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="orcapod_q4_1",
+        sources=[str(SOURCE)],
+        extra_cflags=list(COMPILER_FLAGS),
+        extra_ldflags=list(LINKER_FLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+
+    @torch.library.register_fake("orcapod::q4_1_linear")
+    def _(
+        x: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], levels.shape[0]))
+
+    @torch.library.register_fake("orcapod::q4_1_dequantize")
+    def _(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+        return levels.new_empty((levels.shape[0], levels.shape[1] * 2), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Q41Matrix:
+    """One ``[out, in]`` matrix in the kernel's layout (``csrc/q4_1_linear.cpp``)."""
+
+    levels: torch.Tensor  # [out, in / 2] uint8: element k low nibble, k + 16 high, per group
+    scales: torch.Tensor  # [out, in / 32] fp16
+    minimums: torch.Tensor  # [out, in / 32] fp16
+
+    @property
+    def out_features(self) -> int:
+        return int(self.levels.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.levels.shape[1]) * 2
+
+    @property
+    def num_bytes(self) -> int:
+        return self.levels.nbytes + self.scales.nbytes + self.minimums.nbytes
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Q41Matrix:
+        """``weight`` [out, in] (fp32) whose every group of 32 is ``q * d + m`` with q in
+        0..15 and d, m fp16 (llama.cpp's Q4_1, as the packaged model's layers are);
+        Q41PackError when it is not, or not to within a thousandth of a step."""
+        out_features, in_features = weight.shape
+        if in_features % Q4_1_GROUP_SIZE:
+            raise Q41PackError(f"has {in_features} columns, not a multiple of {Q4_1_GROUP_SIZE}")
+        groups = weight.float().reshape(out_features, -1, Q4_1_GROUP_SIZE)
+        minimum = groups.amin(dim=-1).to(torch.float16)
+        scale = ((groups.amax(dim=-1) - minimum.float()) / 15).to(torch.float16)
+        if not bool(torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
+            raise Q41PackError("has groups beyond fp16's range (not Q4_1)")
+        step = scale.float()[..., None]
+        safe_step = torch.where(step > 0, step, torch.ones_like(step))  # constant groups: q = 0
+        levels = ((groups - minimum.float()[..., None]) / safe_step).round().clamp(0, 15)
+        off_grid = (levels * step + minimum.float()[..., None] - groups).abs()
+        if not bool((off_grid <= 1e-3 * safe_step).all()):  # NaN too
+            raise Q41PackError(f"is not on a 4-bit grid of {Q4_1_GROUP_SIZE} values (not Q4_1)")
+        nibbles = levels.to(torch.uint8)
+        packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+        return cls(
+            packed.reshape(out_features, in_features // 2).contiguous(),
+            scale.contiguous(),
+            minimum.contiguous(),
+        )
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 matrix it holds: the reference the kernel is tested against."""
+        low, high = self.levels & 0x0F, self.levels >> 4
+        groups = self.levels.shape[1] * 2 // Q4_1_GROUP_SIZE
+        nibbles = torch.cat(
+            (
+                low.reshape(self.out_features, groups, 16),
+                high.reshape(self.out_features, groups, 16),
+            ),
+            dim=-1,
+        ).float()
+        weights = nibbles * self.scales.float()[..., None] + self.minimums.float()[..., None]
+        return weights.reshape(self.out_features, self.in_features)
+
+    def dequantized_by_kernel(self) -> torch.Tensor:
+        """``dequantized()``, bit for bit, made by the C++ op (fast, parallel)."""
+        return torch.ops.orcapod.q4_1_dequantize(self.levels, self.scales, self.minimums)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] fp32 -> [T, out] fp32 (the kernel must be loaded): the kernel
+        below ``Q4_1_DENSE_FROM_ROWS`` rows, torch's fp32 matmul on the dequantized
+        matrix from there."""
+        if x.dim() == 2 and x.shape[0] >= Q4_1_DENSE_FROM_ROWS and x.dtype == torch.float32:
+            return F.linear(x, self.dequantized_by_kernel())
+        return torch.ops.orcapod.q4_1_linear(x, self.levels, self.scales, self.minimums)
+
+
+def main() -> int:
+    """Build the kernel into the cache (setup does this once); exit 0 when it loads."""
+    reason = kernel_unavailable_reason()
+    if reason is None:
+        print(f"Q4_1 kernel ready in {build_directory()}")
+        return 0
+    print(f"note: {reason}; the worker keeps its float16 path", file=sys.stderr)
+    return 0 if missing_cpu_flags() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The project's C++ Q4_1 kernel (``gpu_worker/csrc/q4_1_linear.cpp``) against a
+reference dequantize-then-matmul in float64: every shape SmolLM2 has, odd row
+counts, batches 1-8 and beyond its row blocking, both sides of the rows where
+the dense path takes over; the same bits for a row alone and inside any batch
+below it; what it refuses; and the op inside a compiled graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.q4_1_kernel import (
+    Q4_1_DENSE_FROM_ROWS,
+    Q41Matrix,
+    Q41PackError,
+    kernel_unavailable_reason,
+    missing_cpu_flags,
+    unavailable_reason,
+)
+from gpu_worker.quantized_linear import PackError, Q41Linear, unsupported_reason
+
+pytestmark = pytest.mark.skipif(
+    kernel_unavailable_reason() is not None, reason=str(kernel_unavailable_reason())
+)
+
+# SmolLM2-135M's matrices [out, in]: qkv, o, gate_up, down; then odd ones.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (7, 64), (33, 32), (1, 96)]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 17]
+
+
+def q4_1_weights(out: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """A matrix on llama.cpp's Q4_1 grid: per 32, levels 0..15 (both ends present,
+    as llama.cpp's quantizer makes them), an fp16 scale and an fp16 minimum."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = columns // 32
+    levels = torch.randint(0, 16, (out, groups, 32), generator=generator).float()
+    levels[..., 5], levels[..., 27] = 0, 15
+    scale = (torch.rand(out, groups, 1, generator=generator) * 0.02 + 1e-4).half().float()
+    minimum = (-torch.rand(out, groups, 1, generator=generator) * 0.15).half().float()
+    return (levels * scale + minimum).reshape(out, columns)
+
+
+@pytest.mark.parametrize(("out", "columns"), SHAPES)
+def test_the_kernel_is_exact_to_fp32_rounding_and_the_same_for_a_row_alone(out, columns):
+    weight = q4_1_weights(out, columns)
+    matrix = Q41Matrix.pack(weight)
+    assert torch.equal(matrix.dequantized(), weight)  # the packing loses nothing
+    generator = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, columns, generator=generator)
+        y = matrix(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, out)
+        reference = x.double() @ weight.double().T
+        # fp32 rounding of sums of `columns` products: a few ulps of the magnitudes summed.
+        bound = 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+        assert bool(((y.double() - reference).abs() <= bound).all()), rows
+        # Batch invariance: each row's bits whatever else is in the call.
+        alone = torch.cat([matrix(x[row : row + 1]) for row in range(rows)])
+        assert torch.equal(y, alone), rows
+
+
+@pytest.mark.parametrize("rows", [Q4_1_DENSE_FROM_ROWS - 1, Q4_1_DENSE_FROM_ROWS, 100])
+def test_both_sides_of_the_dense_threshold_multiply_the_files_weights(rows):
+    """Below the threshold the kernel; from it, the C++ dequantization (the very fp32
+    weights the grid holds, bit for bit) and torch's fp32 matmul on them."""
+    weight = q4_1_weights(960, 576, seed=3)
+    matrix = Q41Matrix.pack(weight)
+    assert torch.equal(matrix.dequantized_by_kernel(), weight)
+    assert torch.equal(matrix.dequantized_by_kernel(), matrix.dequantized())
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(4))
+    y = matrix(x)
+    if rows >= Q4_1_DENSE_FROM_ROWS:
+        assert torch.equal(y, torch.nn.functional.linear(x, weight))
+    else:
+        alone = torch.cat([matrix(x[row : row + 1]) for row in range(rows)])
+        assert torch.equal(y, alone)
+    bound = 1e-6 * (x.double().abs() @ weight.double().abs().T)
+    assert bool(((y.double() - x.double() @ weight.double().T).abs() <= bound).all())
+
+
+def test_a_non_contiguous_input_and_numeric_edges() -> None:
+    weight = q4_1_weights(64, 128)
+    matrix = Q41Matrix.pack(weight)
+    x = torch.randn(128, 6)[:, :3].T  # [3, 128], not contiguous
+    assert torch.equal(matrix(x), matrix(x.contiguous()))
+    assert matrix(torch.empty(0, 128)).shape == (0, 64)
+    edges = torch.zeros(3, 128)
+    edges[0, 0] = float("inf")
+    edges[1, 5] = float("nan")
+    edges[2] = torch.finfo(torch.float32).tiny  # subnormal-adjacent: no trap, finite out
+    y = matrix(edges)
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[2]).all())
+    assert not bool(torch.isfinite(y[0]).all())
+
+
+def test_the_op_refuses_bad_inputs_with_a_message() -> None:
+    matrix = Q41Matrix.pack(q4_1_weights(16, 64))
+    op = torch.ops.orcapod.q4_1_linear
+    with pytest.raises(RuntimeError, match="x has 32 columns, W has 64"):
+        matrix(torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match="2-D fp32"):
+        matrix(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="2-D fp32"):
+        matrix(torch.randn(64))
+    with pytest.raises(RuntimeError, match="contiguous fp16"):
+        op(torch.randn(1, 64), matrix.levels, matrix.scales.float(), matrix.minimums)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        levels = torch.zeros(4, 24, dtype=torch.uint8)  # 48 columns
+        op(torch.randn(1, 48), levels, matrix.scales, matrix.minimums)
+    with pytest.raises(RuntimeError, match="contiguous fp16"):
+        torch.ops.orcapod.q4_1_dequantize(matrix.levels, matrix.scales[:, :1], matrix.minimums)
+
+
+def test_matrices_off_the_grid_are_not_packed() -> None:
+    on_grid = q4_1_weights(8, 64)
+    with pytest.raises(Q41PackError, match="not a multiple of 32"):
+        Q41Matrix.pack(torch.randn(8, 40))
+    with pytest.raises(Q41PackError, match="not on a 4-bit grid"):
+        Q41Matrix.pack(torch.randn(8, 64))  # the tests' random models
+    nudged = on_grid.clone()
+    nudged[3, 7] += 1e-2 * float(nudged[3].abs().max())
+    with pytest.raises(Q41PackError, match="not on a 4-bit grid"):
+        Q41Matrix.pack(nudged)
+    with pytest.raises(Q41PackError):
+        Q41Matrix.pack(torch.full((8, 64), float("nan")))
+    with pytest.raises(Q41PackError, match="fp16's range"):
+        Q41Matrix.pack(on_grid * 1e6)
+    # Constant groups (a zero matrix) are on the grid: levels 0, scale 0.
+    zeros = Q41Matrix.pack(torch.zeros(8, 64))
+    assert torch.equal(zeros(torch.randn(2, 64)), torch.zeros(2, 8))
+    # Through the format: a PackError, so the worker falls back with one log line.
+    with pytest.raises(PackError, match="not on a 4-bit grid"):
+        Q41Linear.pack(torch.randn(8, 64))
+    head = Q41Linear.pack_head(torch.randn(64, 32))
+    assert head.weight_format == "float16"  # a head off the grid keeps fp16
+
+
+def test_a_cpu_without_avx2_fma_or_f16c_or_a_failed_build_is_told_so() -> None:
+    assert missing_cpu_flags("flags\t\t: fpu sse2 avx avx2 fma f16c\n") == []
+    assert missing_cpu_flags("flags\t\t: fpu sse2 avx\n") == ["avx2", "fma", "f16c"]
+    assert missing_cpu_flags("processor : 0\n") == ["avx2", "fma", "f16c"]
+
+    def never(): raise AssertionError("not loaded on a CPU that cannot run it")  # fmt: skip
+
+    reason = unavailable_reason(["avx2", "f16c"], never)
+    assert reason == "the Q4_1 kernel needs avx2, f16c, which this CPU lacks"
+
+    def failing_build() -> None:  # what torch.utils.cpp_extension raises
+        raise RuntimeError("Error building extension 'orcapod_q4_1'\n[1/2] c++ ...")
+
+    reason = unavailable_reason([], failing_build)
+    assert reason == (
+        "the Q4_1 kernel could not be built or loaded: Error building extension 'orcapod_q4_1'"
+    )
+    assert unavailable_reason([], lambda: None) is None
+    assert unsupported_reason(torch.device("cpu"), torch.float32, weight_format="q4_1") is None
+    reason = unsupported_reason(torch.device("cpu"), torch.bfloat16, weight_format="q4_1")
+    assert reason is not None and "fp32 activations" in reason
+
+
+def test_a_compiled_graph_calls_the_op_and_gets_the_same_bits() -> None:
+    """The op is opaque to inductor (its shape rule registered): the graph around
+    it fuses, the kernel runs as it does eagerly."""
+    matrix = Q41Linear.pack(q4_1_weights(96, 64))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(matrix(x * 2.0)) + 1.0
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    x = torch.randn(3, 64)
+    assert torch.equal(compiled(x), step(x))
