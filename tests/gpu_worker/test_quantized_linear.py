@@ -430,13 +430,16 @@ def test_int4_weights_generate_what_fp32_does_with_the_same_weights(grid_dir, bf
     assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
 
 
-def test_int4_where_a_layer_is_off_the_grid_keeps_the_model_exact(grid_dir, tmp_path, bf16_native):
+@pytest.mark.parametrize("weight_format", ["int4", "q4_1"])
+def test_a_grid_format_where_a_layer_is_off_the_grid_keeps_the_model_exact(
+    grid_dir, tmp_path, bf16_native, weight_format
+):
     odd_dir = _with_weight(grid_dir, tmp_path / "odd", "model.layers.1.mlp.down_proj.weight", 0.123)
     with capture_logs() as logs:
-        model = load_model(odd_dir, "cpu", "float32", "int4")
-    [int4] = _pack_logs(logs)
-    assert int4["event"] == "weights_not_packed" and int4["weight_format"] == "int4"
-    assert int4["reason"].startswith("layers.1.down_proj") and "exact path" in int4["using"]
+        model = load_model(odd_dir, "cpu", "float32", weight_format)
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_not_packed" and entry["weight_format"] == weight_format
+    assert entry["reason"].startswith("layers.1.down_proj") and "exact path" in entry["using"]
     assert weight_format_of(model.weights) == "float32"
 
 
@@ -485,16 +488,6 @@ def test_q4_1_weights_generate_what_fp32_does_with_the_same_weights(grid_dir):
     model = load_model(grid_dir, "cpu", "float32", "q4_1")
     assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
     assert _generate(model, SAMPLED) == _generate(fp32, SAMPLED)
-
-
-def test_q4_1_where_a_layer_is_off_the_grid_keeps_the_model_exact(grid_dir, tmp_path):
-    odd_dir = _with_weight(grid_dir, tmp_path / "odd", "model.layers.1.mlp.down_proj.weight", 0.123)
-    with capture_logs() as logs:
-        model = load_model(odd_dir, "cpu", "float32", "q4_1")
-    [entry] = _pack_logs(logs)
-    assert entry["event"] == "weights_not_packed" and entry["weight_format"] == "q4_1"
-    assert entry["reason"].startswith("layers.1.down_proj") and "exact path" in entry["using"]
-    assert weight_format_of(model.weights) == "float32"
 
 
 def test_q4_1_where_the_kernel_cannot_run_keeps_the_model_exact_and_says_why(grid_dir, monkeypatch):
