@@ -108,6 +108,17 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         "the eager forward, with a log line) ($ORCAPOD_COMPILE_DECODE: 1 or 0)",
     )
     parser.add_argument(
+        "--serve-while-compiling",
+        action=argparse.BooleanOptionalAction,
+        default=flag_environment_default(
+            "serve_while_compiling", DEFAULTS["serve_while_compiling"], env_bool
+        ),
+        help="with --compile-decode, serve at once on the eager forward while the compiled "
+        "paths are built, each taking the steps from the one after it passed its checks "
+        "(a step_path_live line); --no-serve-while-compiling builds them before serving "
+        "($ORCAPOD_SERVE_WHILE_COMPILING: 1 or 0)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=DEFAULTS["metrics_port"],
@@ -142,6 +153,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         heartbeat_s=args.heartbeat_s,
         cuda_graphs=args.cuda_graphs,
         compile_decode=args.compile_decode,
+        serve_while_compiling=args.serve_while_compiling,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         engine_process=not args.engine_thread,

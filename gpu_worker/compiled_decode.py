@@ -205,16 +205,18 @@ class _DecodeGraph:
         )  # fmt: skip
         return _UNDECORATED_LOGITS(self.model, last) if self.head_in_graph else last
 
-    def warm_up(self, num_requests: int) -> float:
+    def warm_up(self, num_requests: int, first_block: int) -> float:
         """Compile on a step of ``num_requests`` requests at position 1 of blocks
-        2i and 2i + 1, then check it against the eager forward of the same step."""
+        ``first_block`` + 2i and + 2i + 1, then check it against the eager forward of
+        the same step."""
         from gpu_worker.attention_cpu import CpuAttention
 
         block_size = self.kv_cache.block_size
-        layout = [
-            SequenceLayout(index, 1, 1, [2 * index, 2 * index + 1]) for index in range(num_requests)
+        tables = [
+            [first_block + 2 * index, first_block + 2 * index + 1] for index in range(num_requests)
         ]
-        slots = [2 * index * block_size + 1 for index in range(num_requests)]
+        layout = [SequenceLayout(index, 1, 1, table) for index, table in enumerate(tables)]
+        slots = [table[0] * block_size + 1 for table in tables]
         ones = [1] * num_requests
         started = time.perf_counter()
         try:
@@ -249,11 +251,12 @@ class CompiledDecode:
     request (a chat), and for batches where the layers allow it one per range of
     sizes in which every matrix takes one kernel (``batch_ranges``)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache) -> None:
-        """Compiles and checks the graphs on warm-up steps written to the pool's first
-        blocks (free while the engine starts); DecodeCompileError if the lone one fails
-        (batch graphs that cannot be made are left out, each with a
-        ``batch_decode_not_compiled`` line: those batches run eagerly)."""
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, first_block: int = 0) -> None:
+        """Compiles and checks the graphs on warm-up steps written to the pool's blocks
+        from ``first_block`` on (``warm_up_blocks`` of them, which no request may hold
+        meanwhile); DecodeCompileError if the lone one fails (batch graphs that cannot
+        be made are left out, each with a ``batch_decode_not_compiled`` line: those
+        batches run eagerly)."""
         if model.device.type != "cpu":
             raise DecodeCompileError(f"compiled decode is for the CPU, not {model.device}")
         untraceable = untraceable_matrices(model)
@@ -262,10 +265,11 @@ class CompiledDecode:
                 f"its {untraceable} layer matrices are only fbgemm's packed objects, "
                 "which would break the graph at every matmul"
             )
-        if kv_cache.num_blocks < MIN_BLOCKS:
-            raise DecodeCompileError(f"the K/V pool has fewer than {MIN_BLOCKS} blocks")
+        if kv_cache.num_blocks - first_block < MIN_BLOCKS:
+            raise DecodeCompileError(f"the K/V pool has fewer than {MIN_BLOCKS} blocks for it")
         self.model = model
         self.kv_cache = kv_cache
+        self.first_block = first_block
         self.max_blocks = max(
             MIN_BLOCKS + 1, blocks_for(model.config.max_position_embeddings, kv_cache.block_size)
         )
@@ -278,7 +282,7 @@ class CompiledDecode:
         lone = _DecodeGraph(
             model, kv_cache, 1, 1, self.max_blocks, traceable(model.weights.lm_head)
         )
-        self.compile_s = lone.warm_up(1)
+        self.compile_s = lone.warm_up(1, first_block)
         self._lone_head_in_graph = lone.head_in_graph
         self.graphs = [lone, *self._batch_graphs()]
 
@@ -339,7 +343,7 @@ class CompiledDecode:
         smallest size); those that cannot be made are left out, with a
         ``batch_decode_not_compiled`` line saying why."""
         matrices = layer_matrices(self.model)
-        if any(not traceable_for_batches(matrix) for matrix in matrices):
+        if not batches_traceable(self.model):
             _log.warning(
                 "batch_decode_not_compiled",
                 reason="its layer matrices are fbgemm's (float16), whose traced form reads "
@@ -357,11 +361,11 @@ class CompiledDecode:
                 self.model, self.kv_cache, min_requests, max_requests, self.max_blocks, False,
                 max_error,
             )  # fmt: skip
-            if self.kv_cache.num_blocks < MIN_BLOCKS * min_requests:
-                reason = f"the K/V pool has fewer than {MIN_BLOCKS * min_requests} blocks"
+            if self.kv_cache.num_blocks - self.first_block < MIN_BLOCKS * min_requests:
+                reason = f"the K/V pool has fewer than {MIN_BLOCKS * min_requests} blocks for it"
             else:
                 try:
-                    graph.warm_up(min_requests)
+                    graph.warm_up(min_requests, self.first_block)
                     graphs.append(graph)
                     continue
                 except DecodeCompileError as error:
@@ -371,6 +375,23 @@ class CompiledDecode:
                 reason=reason, using="the eager forward",
             )  # fmt: skip
         return graphs
+
+
+def batches_traceable(model: LlamaModel) -> bool:
+    """Whether batch graphs can be made of the model's layers."""
+    return all(traceable_for_batches(matrix) for matrix in layer_matrices(model))
+
+
+def planned_size_ranges(model: LlamaModel) -> list[tuple[int, int]]:
+    """The ranges of requests of the graphs ``CompiledDecode`` tries to make: the
+    lone graph's, then the batch graphs' where the layers allow them."""
+    batches = batch_ranges(layer_matrices(model)) if batches_traceable(model) else []
+    return [(1, 1), *batches]
+
+
+def warm_up_blocks(model: LlamaModel) -> int:
+    """The blocks the graphs' warm-up steps write (two per request of the largest)."""
+    return MIN_BLOCKS * max(low for low, _high in planned_size_ranges(model))
 
 
 def batch_ranges(matrices: list[torch.Tensor | PackedLinear]) -> list[tuple[int, int]]:
@@ -413,10 +434,13 @@ def untraceable_matrices(model: LlamaModel) -> int:
     return sum(not traceable(matrix) for matrix in layer_matrices(model))
 
 
-def compiled_decode_or_none(model: LlamaModel, kv_cache: PagedKVCache) -> CompiledDecode | None:
-    """The compiled runner, or None with a ``decode_not_compiled`` line saying why."""
+def compiled_decode_or_none(
+    model: LlamaModel, kv_cache: PagedKVCache, first_block: int = 0
+) -> CompiledDecode | None:
+    """The compiled runner (warmed up on the blocks from ``first_block`` on), or None
+    with a ``decode_not_compiled`` line saying why."""
     try:
-        return CompiledDecode(model, kv_cache)
+        return CompiledDecode(model, kv_cache, first_block)
     except DecodeCompileError as error:
         _log.warning("decode_not_compiled", reason=str(error), using="the eager forward")
         return None

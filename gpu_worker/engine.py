@@ -17,20 +17,21 @@ not fit the engine's state (the scheduler's mistake) is a ``PlanError``.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from gpu_worker.attention import AttentionBackend, default_backend_name
 from gpu_worker.block_tables import blocks_for
-from gpu_worker.compiled_decode import CompiledDecode, compiled_decode_or_none
-from gpu_worker.decode_attention import compiled_decode_attention_or_none
+from gpu_worker.compiled_decode import CompiledDecode
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, kv_cache_size
 from gpu_worker.llama import LlamaModel
-from gpu_worker.path_probe import probe_step_paths
+from gpu_worker.path_compiler import StepPathCompiler, held_back_blocks
 from gpu_worker.sampler import SamplingError, sample
 from gpu_worker.step_path import StepInputs, StepPiece, StepRunner
 from shared.messages import (
@@ -50,6 +51,9 @@ _RECENTLY_ENDED_LIMIT = 65536
 STEP_FAILED_MESSAGE = "the worker failed to run this request's step"
 
 _log = structlog.get_logger(__name__)
+
+# Told the paths in use by name, and whether more are being compiled.
+PathsChanged = Callable[[list[str], bool], None]
 
 
 class PlanError(ValueError):
@@ -91,6 +95,8 @@ class Engine:
         worker_id: str = "local",
         use_cuda_graphs: bool = False,
         compile_decode: bool = False,
+        compile_in_background: bool = False,
+        on_paths_changed: PathsChanged | None = None,
     ) -> None:
         """``use_cuda_graphs`` replays captured graphs for decode-only steps; it takes
         effect on CUDA only (needs the ``triton`` backend) and is ignored on the CPU.
@@ -99,11 +105,17 @@ class Engine:
         attention (``decode_attention.py``) where the backend is ``cpu``; where either
         cannot be compiled, a log line says why. Which path each step takes:
         ``step_path.py``; every compiled path is checked against the eager one on
-        joining, leaving and mixed steps before the engine serves
-        (``path_probe.py``), and one that strays is dropped with a log line."""
+        joining, leaving and mixed steps before it serves (``path_probe.py``), and
+        one that strays is dropped with a log line. ``compile_in_background``: the
+        engine serves on the eager forward at once while the compiled paths are
+        built (``path_compiler.py``); else they are built before this returns.
+        ``on_paths_changed`` hears of each change of the paths in use (from the
+        compiler's thread)."""
         budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
+        self.stats = EngineStats()
+        self._started_s = time.perf_counter()
         # Sized once the model is loaded: what it takes is no longer available.
         size = kv_cache_size(model.config, budget, model.device, model.dtype)
         # A pool asked for below one full-context sequence serves only shorter requests.
@@ -114,28 +126,66 @@ class Engine:
             model.config, size.num_blocks, size.block_size, model.device, model.dtype
         )
         backend_name = attention_backend or default_backend_name(model.device)
-        paged_attention = None
-        if compile_decode and backend_name == "cpu" and model.device.type == "cpu":
-            config = model.config
-            paged_attention = compiled_decode_attention_or_none(
-                config.num_kv_heads, config.num_heads, config.head_dim,
-                config.max_position_embeddings, budget.block_size, model.dtype,
-            )  # fmt: skip
-        self.paths = StepRunner(model, self.kv_cache, backend_name, paged_attention)
+        self.paths = StepRunner(model, self.kv_cache, backend_name)
+        # Held by a step's forward pass, and by the compiler to swap the paths in.
+        self._paths_lock = threading.Lock()
+        self._on_paths_changed = on_paths_changed
+        self._num_held_back = 0
+        self.path_compiler: StepPathCompiler | None = None
         if use_cuda_graphs and model.device.type == "cuda":
             from gpu_worker.cuda_graphs import DecodeGraphRunner
 
             self.paths.decode_runner = DecodeGraphRunner(model, self.kv_cache, self.backend)
         elif compile_decode and model.device.type == "cpu":
-            self.paths.decode_runner = compiled_decode_or_none(model, self.kv_cache)
-        if compile_decode and model.device.type == "cpu":
-            probe_step_paths(self.paths)
-        _log.info("step_paths", paths=self.paths.planned())
-        self.stats = EngineStats()
+            self.path_compiler = self._path_compiler(backend_name)
+        self.stats.live_paths = self.paths.planned()
+        self.stats.compiling_paths = self.path_compiler is not None
+        _log.info("step_paths", paths=self.stats.live_paths, compiling=self.stats.compiling_paths)
+        if on_paths_changed is not None:  # before the compiler's thread may tell of more
+            on_paths_changed(self.stats.live_paths, self.stats.compiling_paths)
         self._requests: dict[str, _Request] = {}
         self._recently_ended: OrderedDict[str, None] = OrderedDict()
         # Rows of the embedding table: a prompt token id must index one of them.
         self._num_embeddings = int(model.weights.embed_tokens.shape[0])
+        if self.path_compiler is not None:
+            if compile_in_background:
+                self.path_compiler.start_in_background()
+            else:
+                self.path_compiler.run()
+
+    def _path_compiler(self, backend_name: str) -> StepPathCompiler | None:
+        """The compiler of the CPU's paths, on blocks held back at the pool's far end;
+        None, with a line saying why, where the pool is too small to spare them."""
+        held_back = held_back_blocks(self.model, self.kv_cache.block_size)
+        if 2 * held_back > self.kv_cache.num_blocks:
+            _log.warning(
+                "step_paths_not_compiled", using="the eager forward",
+                reason=f"the start's checks of compiled paths need {held_back} K/V blocks "
+                f"held back, more than half of the pool's {self.kv_cache.num_blocks}",
+            )  # fmt: skip
+            return None
+        self._num_held_back = held_back
+        return StepPathCompiler(
+            self.model, self.kv_cache, backend_name, self.num_blocks, self.install_paths
+        )
+
+    def install_paths(self, compiled: StepRunner, settled: bool) -> None:
+        """Serve ``compiled``'s checked parts from the next step on (``settled``: the
+        last of them); a ``step_path_live`` line for each path new to the steps."""
+        with self._paths_lock:
+            before = set(self.paths.planned())
+            self.paths.adopt_compiled(compiled)
+            live = self.paths.planned()
+        after_start_s = round(time.perf_counter() - self._started_s, 1)
+        for name in live:
+            if name not in before:
+                _log.info("step_path_live", path=name, after_start_s=after_start_s)
+        self.stats.live_paths = live
+        self.stats.compiling_paths = not settled
+        if settled:
+            _log.info("step_paths_settled", paths=live, after_start_s=after_start_s)
+        if self._on_paths_changed is not None:
+            self._on_paths_changed(live, not settled)
 
     @property
     def backend(self) -> AttentionBackend:
@@ -156,8 +206,9 @@ class Engine:
 
     @property
     def num_blocks(self) -> int:
-        """K/V blocks in the pool."""
-        return self.kv_cache.num_blocks
+        """K/V blocks the scheduler may grant: the pool's but those held back for the
+        start's checks of compiled paths (``path_compiler.py``)."""
+        return self.kv_cache.num_blocks - self._num_held_back
 
     @property
     def block_size(self) -> int:
@@ -387,8 +438,9 @@ class Engine:
             for w in works
         )
         inputs = StepInputs.flatten(self.kv_cache, pieces)
-        path = self.paths.choose(inputs)
-        logits = self.paths.forward(inputs, path)
+        with self._paths_lock:
+            path = self.paths.choose(inputs)
+            logits = self.paths.forward(inputs, path)
         for work in works:
             work.request.num_cached_tokens += len(work.token_ids)
         sampling_works = [work for work in works if work.samples]

@@ -26,6 +26,7 @@ import queue
 import signal
 import socket
 import struct
+import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
@@ -40,7 +41,7 @@ from shared.messages import StepPlan
 from shared.settings import WorkerSettings
 
 if TYPE_CHECKING:  # torch is imported where an engine runs, not in the Redis shell
-    from gpu_worker.engine import Engine
+    from gpu_worker.engine import Engine, PathsChanged
 
 _log = structlog.get_logger(__name__)
 
@@ -112,9 +113,17 @@ class EngineStartFailed(EngineProcessDied):
     user can change, such as the K/V pool's size, all there is to say)."""
 
 
-_FROM_CHILD = msgspec.msgpack.Decoder(EngineReady | EngineFailed)
+class PathsInUse(msgspec.Struct, frozen=True, tag="paths"):
+    """The step paths the engine serves on now, by name, and whether more are
+    being compiled (``path_compiler.py``); sent whenever they change."""
+
+    paths: list[str]
+    compiling: bool
+
+
+_FROM_CHILD = msgspec.msgpack.Decoder(EngineReady | EngineFailed | PathsInUse)
 _JOB = msgspec.msgpack.Decoder(PlanJob | None)
-_DONE = msgspec.msgpack.Decoder(StepDone)
+_DONE = msgspec.msgpack.Decoder(StepDone | PathsInUse)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -148,8 +157,9 @@ class EngineHost(Protocol):
         ...
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
-    """The model on its device and a K/V pool of the configured size."""
+def build_engine(settings: WorkerSettings, on_paths_changed: PathsChanged | None = None) -> Engine:
+    """The model on its device and a K/V pool of the configured size
+    (``on_paths_changed``: told of each change of the step paths in use)."""
     from gpu_worker.device import inductor_cache_dir
     from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget, KVCacheSizeError
@@ -177,9 +187,16 @@ def build_engine(settings: WorkerSettings) -> Engine:
             worker_id=settings.worker_id,
             use_cuda_graphs=settings.cuda_graphs,
             compile_decode=settings.compile_decode,
+            compile_in_background=settings.serve_while_compiling,
+            on_paths_changed=on_paths_changed,
         )
     except KVCacheSizeError as error:
         raise EngineStartFailed(str(error)) from None
+
+
+def _take_paths(stats: EngineStats, message: PathsInUse) -> None:
+    stats.live_paths = message.paths
+    stats.compiling_paths = message.compiling
 
 
 def _count(stats: EngineStats, done: StepDone) -> None:
@@ -279,11 +296,15 @@ class EngineProcess:
         with _child_environment(engine_environment_defaults(os.environ)):
             self._process.start()
         self._child_end.close()  # the child holds its end now
-        try:
-            data = await asyncio.to_thread(self._connection.recv_bytes)
-        except EOFError as error:
-            raise EngineProcessDied("the engine process ended while loading") from error
-        message = _FROM_CHILD.decode(data)
+        message: EngineReady | EngineFailed | PathsInUse | None = None
+        while message is None or isinstance(message, PathsInUse):
+            if message is not None:
+                _take_paths(self.stats, message)
+            try:
+                data = await asyncio.to_thread(self._connection.recv_bytes)
+            except EOFError as error:
+                raise EngineProcessDied("the engine process ended while loading") from error
+            message = _FROM_CHILD.decode(data)
         if isinstance(message, EngineFailed):
             raise EngineStartFailed(f"the engine did not start: {message.message}")
         self.num_blocks, self.block_size = message.num_blocks, message.block_size
@@ -315,6 +336,9 @@ class EngineProcess:
                     ended.set_result(None)
                 return
             item = _DONE.decode(data)
+            if isinstance(item, PathsInUse):
+                _take_paths(self.stats, item)
+                return
             self._num_done += 1
             _count(self.stats, item)
             done.put_nowait(item)
@@ -413,17 +437,28 @@ def engine_process_main(settings: WorkerSettings, connection: Connection) -> Non
     from shared.log import configure_logging
 
     configure_logging("worker")
+    # The compiler's thread tells of new paths while this one sends steps' results.
+    sending = threading.Lock()
+
+    def send(message: EngineReady | EngineFailed | PathsInUse | StepDone) -> None:
+        with sending:
+            connection.send_bytes(_encoder.encode(message))
+
+    def paths_changed(paths: list[str], compiling: bool) -> None:
+        with contextlib.suppress(OSError):  # the shell is gone: this process ends soon
+            send(PathsInUse(paths, compiling))
+
     try:
-        engine = build_engine(settings)
+        engine = build_engine(settings, paths_changed)
     except EngineStartFailed as error:  # a setting to change: the message says it all
         _log.error("engine_failed_to_start", error=str(error))
-        connection.send_bytes(_encoder.encode(EngineFailed(str(error))))
+        send(EngineFailed(str(error)))
         return
     except Exception as error:  # a model that does not load: the shell reports it
         _log.exception("engine_failed_to_start")
-        connection.send_bytes(_encoder.encode(EngineFailed(str(error))))
+        send(EngineFailed(str(error)))
         return
-    connection.send_bytes(_encoder.encode(EngineReady(engine.num_blocks, engine.block_size)))
+    send(EngineReady(engine.num_blocks, engine.block_size))
     from gpu_worker.plan_runner import PlanRunner
 
     runner = PlanRunner(engine, settings.worker_id)
@@ -434,5 +469,4 @@ def engine_process_main(settings: WorkerSettings, connection: Connection) -> Non
             return
         if job is None:
             return
-        item = runner.run(job.entry_id, job.plan, job.received_at)
-        connection.send_bytes(_encoder.encode(item))
+        send(runner.run(job.entry_id, job.plan, job.received_at))

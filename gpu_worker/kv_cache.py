@@ -3,6 +3,7 @@ blocks it gets (``size_kv_cache``: the rule is in docs/architecture.md, *K/V poo
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,6 +19,9 @@ from shared.settings import (
 )
 
 DEFAULT_BLOCK_SIZE = 16
+# A pool sized from memory keeps this many significant bits of its block count
+# (``stable_block_count``).
+STABLE_SIGNIFICANT_BITS = 4
 
 
 class KVCacheSizeError(ValueError):
@@ -169,8 +173,22 @@ def size_kv_cache(
             "shorter requests)"
         )
     if memory_blocks <= cap_blocks:
-        return sized(memory_blocks, KVCacheLimit.MEMORY)
+        return sized(
+            max(blocks_per_sequence, stable_block_count(memory_blocks)), KVCacheLimit.MEMORY
+        )
     return sized(cap_blocks, KVCacheLimit.MAX_SEQUENCES)
+
+
+def stable_block_count(num_blocks: int) -> int:
+    """``num_blocks`` rounded down to its 4 most significant bits (3,098 and 3,095
+    both give 3,072; at most an eighth less). The free memory a pool is sized
+    from moves a little from one start to the next, and the pool's size is a
+    constant of the compiled decode graphs: a pool of another size missed
+    inductor's cache and compiled every graph again (21 s against 3 s for
+    SmolLM2's lone graph; a size dynamic in the graphs broke their shape
+    reasoning on the pool's blocks view)."""
+    drop_bits = max(0, num_blocks.bit_length() - STABLE_SIGNIFICANT_BITS)
+    return (num_blocks >> drop_bits) << drop_bits
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -249,6 +267,14 @@ class PagedKVCache:
     def num_blocks(self) -> int:
         """Blocks in the pool."""
         return self.tables.num_blocks
+
+    def with_own_tables(self) -> PagedKVCache:
+        """The same pool (the same tensors) with block tables of its own: for work on
+        another thread (the start-up's path checks) in blocks no served request holds,
+        whose tables the serving thread never sees change."""
+        twin = copy.copy(self)
+        twin.tables = BlockTables(self.num_blocks, self.block_size)
+        return twin
 
     def slot_ids(self, request_id: str, start: int, end: int) -> list[int]:
         """Slots of ``request_id``'s tokens at positions ``[start, end)``."""

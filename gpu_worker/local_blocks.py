@@ -22,7 +22,8 @@ def grant_free_blocks(engine: Engine, plan: StepPlan) -> StepPlan:
         return plan
     free = engine.kv_cache.tables.unreferenced(ignoring=plan.released_request_ids)
     granted_already = {block_id for ids in plan.block_grants.values() for block_id in ids}
-    free = [block_id for block_id in free if block_id not in granted_already]
+    # Blocks past num_blocks are held back for the start's checks (path_compiler.py).
+    free = [b for b in free if b < engine.num_blocks and b not in granted_already]
     if sum(missing.values()) > len(free):
         raise ValueError(
             f"plan needs {sum(missing.values())} more K/V blocks but only {len(free)} of "

@@ -165,4 +165,18 @@ class _EngineView(Collector):
             labels=["worker"],
         )
         fraction.add_metric(labels, self._busy.fraction(self._clock()))
-        yield from (steps, busy_s, fraction)
+        live = GaugeMetricFamily(
+            "orcapod_step_path_live",
+            "1 for each step path the engine serves on now (gpu_worker/step_path.py); "
+            "compiled ones join as they pass their start-up checks.",
+            labels=["worker", "path"],
+        )
+        for path in list(self._stats.live_paths):
+            live.add_metric([self._worker_id, path], 1)
+        compiling = GaugeMetricFamily(
+            "orcapod_step_paths_compiling",
+            "1 while the engine builds compiled step paths, serving on the others meanwhile.",
+            labels=["worker"],
+        )
+        compiling.add_metric(labels, int(self._stats.compiling_paths))
+        yield from (steps, busy_s, fraction, live, compiling)

@@ -6,7 +6,8 @@ joining and leaving a batch (the lone graph, a batch graph, back), mixed
 steps whose decodes take the paged attention beside a prompt chunk, block
 counts on both sides of the paged attention's threshold, every range of
 batch sizes a graph takes. ``probe_step_paths`` runs such a sequence on
-the engine's own pool (free while it starts), random prompt tokens and
+blocks of the engine's pool that no served request is granted (held back
+at start: ``path_compiler.py``), random prompt tokens and
 greedy tokens fed back, each step twice: on the path ``choose`` gives it,
 then on the eager forward with SDPA (which rewrites the step's K/V, so both
 go on from the same cache). A path whose logits stray from the eager ones
@@ -61,7 +62,9 @@ class _ProbeRequest:
 class _Probe:
     """The probe's requests on the engine's pool, and each path's largest error."""
 
-    def __init__(self, runner: StepRunner, num_requests: int, long_prompt: int) -> None:
+    def __init__(
+        self, runner: StepRunner, num_requests: int, long_prompt: int, first_block: int
+    ) -> None:
         self.runner = runner
         cache = runner.kv_cache
         vocab = runner.model.config.vocab_size
@@ -77,8 +80,8 @@ class _Probe:
         ]
         self.errors: dict[str, float] = {}
         # The long request's blocks consecutive (as a lone chat's), the others' from
-        # the pool's far end, so tables are in no order.
-        self._next_block = 0
+        # the pool's far end, so tables are in no order; all from ``first_block`` on.
+        self._next_block = first_block
         self._last_block = cache.num_blocks - 1
 
     def grow(self, request: _ProbeRequest, num_tokens: int) -> None:
@@ -129,8 +132,12 @@ class _Probe:
             self.runner.kv_cache.tables.forget(request.request_id)
 
 
-class _TokenCount(_Probe):
-    """The probe's sequence counted, not run: how many blocks it needs."""
+class _TokenCount:
+    """The probe's sequence counted, not run: how many blocks and tokens it needs."""
+
+    def __init__(self, num_requests: int, long_prompt: int) -> None:
+        lengths = [long_prompt] + [3] * (num_requests - 1)
+        self.requests = [_ProbeRequest(f"count-{i}", [0] * n) for i, n in enumerate(lengths)]
 
     def step(self, prefills: list[_ProbeRequest], decodes: list[_ProbeRequest]) -> None:
         for request in prefills:
@@ -138,38 +145,52 @@ class _TokenCount(_Probe):
         for request in decodes:
             request.num_cached_tokens += 1
 
-    def num_blocks(self) -> int:
-        block_size = self.runner.kv_cache.block_size
+    def num_blocks(self, block_size: int) -> int:
         return sum(blocks_for(r.num_cached_tokens, block_size) for r in self.requests)
 
+    def longest(self) -> int:
+        return max(request.num_cached_tokens for request in self.requests)
 
-def probe_step_paths(runner: StepRunner) -> dict[str, float]:
-    """Run the probe on ``runner``'s pool and drop every path whose logits stray;
-    each path's largest error, by name. Where the pool cannot hold the probe,
-    every compiled path is dropped (nothing unchecked serves)."""
+
+def _long_prompt(block_size: int) -> int:
+    """The first request's prompt: 2 decodes at its width reach the paged
+    attention's threshold."""
+    long_blocks = max(MIN_BLOCKS, -(-PAGED_ATTENTION_MIN_BLOCKS // 2)) + 1
+    return (long_blocks - 1) * block_size + 1
+
+
+def probe_needs(block_size: int, size_ranges: list[tuple[int, int]]) -> tuple[int, int]:
+    """The blocks and the longest sequence (tokens) the probe takes for decode
+    graphs of these ranges of sizes."""
+    sizes = batch_sizes(size_ranges)
+    counted = _TokenCount(max(3, *sizes), _long_prompt(block_size))
+    _run_sequence(counted, sizes)
+    return counted.num_blocks(block_size), counted.longest()
+
+
+def probe_step_paths(runner: StepRunner, first_block: int = 0) -> dict[str, float]:
+    """Run the probe on ``runner``'s pool, on its blocks from ``first_block`` on
+    (which no request may hold while it runs), and drop every path whose logits
+    stray; each path's largest error, by name. Where those blocks cannot hold the
+    probe, every compiled path is dropped (nothing unchecked serves)."""
     compiled = [name for name in runner.planned() if name != EAGER]
     if not compiled:
         return {}
     cache = runner.kv_cache
-    # The long prompt: 2 decodes at its width reach the paged attention's threshold.
-    long_blocks = max(MIN_BLOCKS, -(-PAGED_ATTENTION_MIN_BLOCKS // 2)) + 1
-    long_prompt = (long_blocks - 1) * cache.block_size + 1
-    sizes = batch_sizes(runner)
-    num_requests = max(3, *sizes)
-    counted = _TokenCount(runner, num_requests, long_prompt)
-    _run_sequence(counted, sizes)
-    needed = counted.num_blocks()
-    longest = max(request.num_cached_tokens for request in counted.requests)
-    if needed > cache.num_blocks or longest > runner.model.config.max_position_embeddings:
+    size_ranges = runner.decode_runner.size_ranges() if runner.decode_runner else []
+    sizes = batch_sizes(size_ranges)
+    needed, longest = probe_needs(cache.block_size, size_ranges)
+    num_free = cache.num_blocks - first_block
+    if needed > num_free or longest > runner.model.config.max_position_embeddings:
         for name in compiled:
             runner.drop(name)
         _log.warning(
             "step_path_dropped", paths=compiled, using="the eager forward",
-            reason=f"the K/V pool ({cache.num_blocks} blocks) or the context cannot hold "
+            reason=f"the K/V pool ({num_free} blocks for it) or the context cannot hold "
             f"the start's path probe ({needed} blocks, {longest} tokens)",
         )  # fmt: skip
         return {}
-    probe = _Probe(runner, num_requests, long_prompt)
+    probe = _Probe(runner, max(3, *sizes), _long_prompt(cache.block_size), first_block)
     try:
         _run_sequence(probe, sizes)
     finally:
@@ -187,17 +208,16 @@ def probe_step_paths(runner: StepRunner) -> dict[str, float]:
     return probe.errors
 
 
-def batch_sizes(runner: StepRunner) -> list[int]:
+def batch_sizes(size_ranges: list[tuple[int, int]]) -> list[int]:
     """Decode batch sizes the probe runs: both ends of every graph's range of sizes
     it can reach (its smallest and one more), at least 2 and 3."""
     sizes = {2, 3}
-    runner_sizes = runner.decode_runner.size_ranges() if runner.decode_runner else []
-    for low, high in runner_sizes:
+    for low, high in size_ranges:
         sizes.update(size for size in (low, low + 1) if size <= high)
     return sorted(size for size in sizes if size >= 2)
 
 
-def _run_sequence(probe: _Probe, sizes: list[int]) -> None:
+def _run_sequence(probe: _Probe | _TokenCount, sizes: list[int]) -> None:
     """Joins, leaves and mixed steps through every path the runner may choose."""
     long, second, third, *rest = probe.requests
     probe.step([long], [])

@@ -23,7 +23,7 @@ class EngineCounters(msgspec.Struct, frozen=True):
     busy_s: float
 
 
-class StepDone(msgspec.Struct, frozen=True):
+class StepDone(msgspec.Struct, frozen=True, tag="step"):
     """What the publisher sends for one plan entry."""
 
     entry_id: bytes

@@ -216,6 +216,12 @@ class StepRunner:
         """Every path a step may take now, by name."""
         return planned_paths(self.decode_runner, self.paged_attention)
 
+    def adopt_compiled(self, other: StepRunner) -> None:
+        """Take ``other``'s compiled parts (its paged attention and decode graphs, built
+        and checked on another thread over the same model and pool) from now on."""
+        self.paged_backend = other.paged_backend
+        self.decode_runner = other.decode_runner
+
     def drop(self, name: str) -> None:
         """Stop using the path of this name (a graph, or the paged attention); the
         steps it took run eagerly from now on."""

@@ -268,6 +268,9 @@ class WorkerSettings:
     # A lone request's decode steps through one graph compiled by torch.compile
     # on the CPU (gpu_worker/compiled_decode.py): compiled once at start.
     compile_decode: bool = True
+    # Serve on the eager forward at once while the compiled paths are built, each
+    # from the step after it passed its checks (gpu_worker/path_compiler.py).
+    serve_while_compiling: bool = True
     # The engine in a process of its own (its own GIL), or on a thread of the
     # worker's (gpu_worker/engine_host.py).
     engine_process: bool = True

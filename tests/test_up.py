@@ -40,7 +40,9 @@ def service(prepared_model_dir):
         ],
         env,
     )
-    up.wait_ready(timeout_s=900)  # a first start compiles the decode paths
+    up.wait_ready(timeout_s=120)  # it serves eagerly while compiling its paths
+    # The tests below take the compiled paths a user's chats take once they are live.
+    up.wait_for("step_paths_settled", "compile its step paths", timeout_s=900)
     yield up.process, port, up
     up.stop()
 
@@ -192,6 +194,16 @@ def test_up_prints_and_serves_the_actors_metrics(service):
         for sample in family.samples
     }
     assert {"graph[1]", "eager+paged_attention"} <= step_paths, step_paths
+    # ...which the worker says are live, none compiling any more.
+    with urllib.request.urlopen(urls["worker-0"], timeout=5) as response:
+        samples = [
+            sample
+            for family in text_string_to_metric_families(response.read().decode())
+            for sample in family.samples
+        ]
+    live = {s.labels["path"]: s.value for s in samples if s.name == "orcapod_step_path_live"}
+    assert live == {"graph[1]": 1, "eager": 1, "eager+paged_attention": 1}, live
+    assert [s.value for s in samples if s.name == "orcapod_step_paths_compiling"] == [0]
     assert "orcapod_time_to_first_token_seconds" in scrape_families(urls["gateway-0"], deadline_s)
 
 

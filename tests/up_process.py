@@ -53,12 +53,17 @@ class UpProcess:
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Return once it printed that it is ready; fail the test (and kill it) if
         it exits or takes longer."""
+        self.wait_for(READY_LINE, "become ready", timeout_s)
+
+    def wait_for(self, text: str, what: str, timeout_s: float) -> None:
+        """Return once a line holding ``text`` was printed; fail the test (and kill
+        it) if it exits or takes longer (``what``: what it did not do)."""
         deadline_s = time.monotonic() + timeout_s
-        while not any(READY_LINE in line for line in self.output):
+        while not any(text in line for line in self.output):
             if time.monotonic() > deadline_s or self.process.poll() is not None:
                 self.drain()
                 self.process.kill()
-                pytest.fail("orcapod up did not become ready:\n" + "".join(self.output[-40:]))
+                pytest.fail(f"orcapod up did not {what}:\n" + "".join(self.output[-40:]))
             with contextlib.suppress(queue.Empty):
                 self.output.append(self._lines.get(timeout=1))
 

@@ -93,6 +93,9 @@ LOAD_GENERATOR_TENANT_CAPS = {
     "ORCAPOD_MAX_REQUESTS_PER_TENANT": "100000",
     "ORCAPOD_DEFAULT_MAX_QUEUED": "100000",
 }
+# A benchmark measures the compiled paths: the worker builds them before it
+# serves (a user's worker serves eagerly meanwhile: gpu_worker/path_compiler.py).
+COMPILED_BEFORE_SERVING = {"ORCAPOD_SERVE_WHILE_COMPILING": "0"}
 
 
 @contextmanager
@@ -109,7 +112,7 @@ def orcapod_up(
     A load generator is one tenant standing for many users, so the per-tenant
     caps that keep real tenants apart are lifted (``environment`` may set them).
     """
-    environment = {**LOAD_GENERATOR_TENANT_CAPS, **(environment or {})}
+    environment = {**LOAD_GENERATOR_TENANT_CAPS, **COMPILED_BEFORE_SERVING, **(environment or {})}
     port = free_loopback_port()
     argv = [sys.executable, "-m", "orcapod", "up", "--port", str(port), "--policy", policy]
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_loading import load_model, prompt_logits
+from gpu_worker.path_compiler import held_back_blocks
 from gpu_worker.quantized_linear import weight_format_of
 from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.core import Scheduler
@@ -50,7 +51,7 @@ QUESTIONS = [
 MAX_TOKENS = 24
 BLOCK_SIZE = 16
 # Per worker: fewer than ten chats hold at once, so that some are preempted and
-# recomputed; and room for the start's path probe.
+# recomputed.
 NUM_BLOCKS = 20
 WORKERS = ("w0", "w1")
 
@@ -76,8 +77,10 @@ def prompts(tokenizer: ChatTokenizer) -> dict[str, list[int]]:
 
 
 def engine_for(model: LlamaModel, compile_decode: bool, worker_id: str) -> Engine:
+    """NUM_BLOCKS to grant (and those the compiled paths' checks hold back)."""
+    held_back = held_back_blocks(model, BLOCK_SIZE) if compile_decode else 0
     budget = KVCacheBudget(
-        num_bytes=NUM_BLOCKS * bytes_per_block(model.config, BLOCK_SIZE, model.dtype),
+        num_bytes=(NUM_BLOCKS + held_back) * bytes_per_block(model.config, BLOCK_SIZE, model.dtype),
         block_size=BLOCK_SIZE,
     )
     return Engine(model, budget, "cpu", worker_id=worker_id, compile_decode=compile_decode)

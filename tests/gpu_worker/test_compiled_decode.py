@@ -10,8 +10,11 @@ backend without a compile; the ways it is refused fall back to the eager forward
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
+import time
 
+import msgspec
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -27,6 +30,7 @@ from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import load_model_config
 from gpu_worker.model_loading import load_model
+from gpu_worker.path_compiler import held_back_blocks
 from gpu_worker.quantized_linear import (
     INT4_MAX_ROWS,
     Float16Linear,
@@ -57,7 +61,11 @@ def model(tmp_path_factory):
 
 
 def _engine(model, compile_decode: bool) -> Engine:
-    budget = KVCacheBudget(num_bytes=NUM_BLOCKS * _block_bytes(model), block_size=BLOCK_SIZE)
+    """NUM_BLOCKS to grant either way (the compiled engine holds more back for its checks)."""
+    held_back = held_back_blocks(model, BLOCK_SIZE) if compile_decode else 0
+    budget = KVCacheBudget(
+        num_bytes=(NUM_BLOCKS + held_back) * _block_bytes(model), block_size=BLOCK_SIZE
+    )
     return Engine(model, budget, "cpu", compile_decode=compile_decode)
 
 
@@ -154,6 +162,66 @@ def test_a_batch_through_its_graph_and_its_survivor_through_the_lone_one(
         outputs.append(tokens)
     assert outputs[0] == outputs[1]
     assert calls == [2] * 5 + [1] * 3
+
+
+def test_an_engine_serves_eagerly_while_its_paths_compile_then_on_them(model):
+    """With compile_in_background the engine serves at once on the eager forward while
+    a thread compiles, probes (on blocks held back from the grants) and installs the
+    paged attention and the graphs between two steps. Requests join and leave all the
+    while: every token is the eager engine's, the served K/V untouched by the
+    compiler's steps, and each change of paths is told, in order."""
+    told: list[tuple[list[str], bool]] = []
+    held_back = held_back_blocks(model, BLOCK_SIZE)
+    budget = KVCacheBudget(
+        num_bytes=(NUM_BLOCKS + held_back) * _block_bytes(model), block_size=BLOCK_SIZE
+    )
+    engine = Engine(
+        model, budget, "cpu", compile_decode=True, compile_in_background=True,
+        on_paths_changed=lambda paths, compiling: told.append((list(paths), compiling)),
+    )  # fmt: skip
+    assert engine.path_compiler is not None and engine.num_blocks == NUM_BLOCKS
+    eager_engine = _engine(model, compile_decode=False)
+    rng = random.Random(7)
+    free = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    running: dict[str, list[int]] = {}  # request id -> its blocks
+    tokens: dict[str, list[list[int]]] = {}  # request id -> each engine's tokens
+    paths: list[str] = []
+    deadline = time.monotonic() + 600
+    rounds_after_settling = 0
+    for index in itertools.count():
+        if engine.path_compiler.join(0):
+            rounds_after_settling += 1
+        if rounds_after_settling > 96 or time.monotonic() > deadline:
+            break
+        plan = StepPlan("g", 0, 0, decode_request_ids=list(running))
+        # Joins up to 3 requests, then none until one is left alone, and again.
+        most = 3 if (index // 24) % 2 == 0 else 1
+        if index % 4 == 0 and len(running) < most:  # a join: a prompt beside the decodes
+            request_id, prompt = f"r{index}", [rng.randrange(TINY_VOCAB_SIZE) for _ in range(3)]
+            running[request_id], free = free[:5], free[5:]  # room for 3 + 12 tokens
+            tokens[request_id] = [[], []]
+            plan = msgspec.structs.replace(
+                plan,
+                new_requests=[RequestSpec(request_id, len(prompt), GREEDY)],
+                prefill_chunks=[PrefillChunk(request_id, prompt, 0)],
+                block_grants={request_id: running[request_id]},
+            )
+        for side, served in enumerate((engine, eager_engine)):
+            output = served.step(plan)
+            for token in output.tokens:
+                tokens[token.request_id][side].append(token.token_id)
+            if served is engine:
+                paths.append(output.path)
+        for request_id in [r for r in running if len(tokens[r][0]) == 12]:  # a leave
+            for served in (engine, eager_engine):
+                _release(served, [request_id])
+            free += running.pop(request_id)
+    assert engine.path_compiler.join(0), "the paths did not compile in 10 minutes"
+    assert all(ours == eager for ours, eager in tokens.values())
+    assert paths[0] == "eager" and "graph[1]" in paths and "graph[2-4096]" in paths
+    assert told[0] == (["eager"], True)
+    assert told[-1] == (engine.stats.live_paths, False) and "graph[1]" in told[-1][0]
+    assert engine.stats.compiling_paths is False
 
 
 def test_the_traced_attention_matches_the_cpu_backend():
@@ -304,6 +372,13 @@ def test_the_worker_flag_and_its_environment(monkeypatch):
     monkeypatch.setenv("ORCAPOD_COMPILE_DECODE", "0")
     assert not parse_settings([]).compile_decode
     assert parse_settings(["--compile-decode"]).compile_decode
+    # A worker serves while it compiles unless told to wait.
+    monkeypatch.delenv("ORCAPOD_SERVE_WHILE_COMPILING", raising=False)
+    assert parse_settings([]).serve_while_compiling
+    assert not parse_settings(["--no-serve-while-compiling"]).serve_while_compiling
+    monkeypatch.setenv("ORCAPOD_SERVE_WHILE_COMPILING", "0")
+    assert not parse_settings([]).serve_while_compiling
+    assert parse_settings(["--serve-while-compiling"]).serve_while_compiling
 
 
 def test_prompt_tokens_outside_the_vocabulary_still_fail_alone(compiled_engine):

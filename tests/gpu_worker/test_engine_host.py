@@ -24,6 +24,7 @@ from gpu_worker.engine_host import (
 )
 from gpu_worker.kv_cache import KVCacheBudget
 from gpu_worker.model_loading import load_model
+from gpu_worker.path_compiler import held_back_blocks
 from gpu_worker.plan_runner import StepDone
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import RedisSettings, WorkerSettings, model_location
@@ -90,9 +91,13 @@ def test_the_engine_process_runs_plans_as_the_engine_thread_does(model_dir: Path
     assert tokens == [[(t.index, t.token_id) for t in item.batches["gw"]] for item in by_thread]
     assert [index for [(index, _)] in tokens] == [0, 1, 2, 3]
     assert by_process[-1].batches["gw"][0].finish_reason == "length"
-    assert process.num_blocks == engine.num_blocks and process.num_in_flight == 0
-    # The shell's copy of the engine's counters follows every step.
+    # The compiling engine holds back the blocks of its start-up checks.
+    held_back = held_back_blocks(model, engine.block_size)
+    assert process.num_blocks == engine.num_blocks - held_back and process.num_in_flight == 0
+    # The shell's copy of the engine's counters follows every step, and its paths
+    # are told from the start (it serves while compiling).
     assert process.stats.num_steps == 4 and process.stats.num_tokens == len(PROMPT) + 3
+    assert "eager" in process.stats.live_paths
 
 
 def test_an_engine_process_that_dies_ends_the_worker(model_dir: Path) -> None:

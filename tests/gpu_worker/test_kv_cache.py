@@ -23,6 +23,7 @@ from gpu_worker.kv_cache import (
     format_bytes,
     kv_cache_size,
     size_kv_cache,
+    stable_block_count,
 )
 from gpu_worker.model_config import load_model_config
 from shared.settings import (
@@ -82,11 +83,37 @@ def test_memory_binds_below_the_cap() -> None:
     available = 1_000_000
     size = _size(KVCacheBudget(fraction=0.05), available_bytes=available)
     assert size.limited_by is KVCacheLimit.MEMORY
-    assert size.num_blocks == 50 and size.fraction == 0.05
+    # 50 blocks' worth, kept to 4 significant bits (stable_block_count): 48.
+    assert size.num_blocks == 48 and size.fraction == 0.05
     assert size.num_blocks < DEFAULT_KV_CACHE_MAX_SEQUENCES * 7
     # Exactly at the cap, memory is what bound it.
     at_cap = _size(KVCacheBudget(fraction=0.5, max_sequences=2), available_bytes=28_000)
     assert (at_cap.num_blocks, at_cap.limited_by) == (14, KVCacheLimit.MEMORY)
+
+
+def test_a_pool_sized_from_memory_keeps_its_size_when_memory_moves_a_little() -> None:
+    """The pool's size is a constant of the compiled graphs: two starts whose free
+    memory differs by a little get one size, and so one entry in inductor's cache."""
+    assert stable_block_count(3098) == stable_block_count(3095) == 3072
+    assert [stable_block_count(n) for n in (1, 15, 16, 17, 31, 32, 33)] == [
+        1,
+        15,
+        16,
+        16,
+        30,
+        32,
+        32,
+    ]
+    for num_blocks in range(1, 5000):
+        kept = stable_block_count(num_blocks)
+        assert num_blocks * 7 / 8 < kept <= num_blocks
+    sizes = {
+        _size(KVCacheBudget(fraction=0.1), available_bytes=available).num_blocks
+        for available in range(3_000_000, 3_100_000, 7_000)
+    }
+    assert sizes == {288}  # 300 to 310 blocks of memory
+    # Never below one sequence of the full context (7 blocks here).
+    assert _size(KVCacheBudget(fraction=0.5), available_bytes=14_000).num_blocks == 7
 
 
 def test_the_device_default_fraction_applies_when_none_is_given() -> None:
