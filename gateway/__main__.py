@@ -39,22 +39,46 @@ from shared.settings import (
 DEFAULTS = GatewaySettings(redis=redis_settings(), model=model_location(), gateway_id="")
 
 
-def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
-    """Settings from flags, then the environment (via shared.settings), then defaults."""
+def build_parser() -> argparse.ArgumentParser:
+    """The gateway's command line, its defaults read from the environment now
+    (``docs/configuration.md`` is made from it)."""
     parser = argparse.ArgumentParser(
         prog="python -m gateway",
         description="orcapod's gateway: the websocket protocol and the OpenAI API on one port",
     )
-    parser.add_argument("--host", default=DEFAULTS.host)
+    parser.add_argument(
+        "--host",
+        default=DEFAULTS.host,
+        help="address to listen on; beyond loopback only with API keys configured, or --open",
+    )
     parser.add_argument("--port", type=int, default=DEFAULTS.port, help="0 picks a free port")
     parser.add_argument("--gateway-id", help="unique per Redis (default: gateway-HOST-PID)")
     add_redis_arguments(parser)
-    parser.add_argument("--model", help="Hugging Face-format model directory (default: embedded)")
-    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULTS.max_frame_bytes)
     parser.add_argument(
-        "--max-requests-per-socket", type=int, default=DEFAULTS.max_requests_per_socket
+        "--model",
+        help="Hugging Face-format model directory, for its tokenizer, chat template and "
+        "context (default: $ORCAPOD_MODEL, else the embedded one)",
     )
-    parser.add_argument("--max-tokens-limit", type=int, default=DEFAULTS.max_tokens_limit)
+    parser.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=DEFAULTS.max_frame_bytes,
+        help="largest websocket frame (larger: the socket closes with 1009) and HTTP "
+        "request body (larger: 413)",
+    )
+    parser.add_argument(
+        "--max-requests-per-socket",
+        type=int,
+        default=DEFAULTS.max_requests_per_socket,
+        help="requests in flight on one websocket; more get queue_full",
+    )
+    parser.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=DEFAULTS.max_tokens_limit,
+        help="the largest max_tokens a request may ask for, and what a null max_tokens "
+        "comes to at most",
+    )
     parser.add_argument(
         "--drain-timeout-s",
         type=float,
@@ -201,7 +225,13 @@ def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         help="TOML file of tenants and API key hashes (default: $ORCAPOD_TENANTS_FILE); "
         "keys may also be in Redis; with none, the gateway is open and loopback only",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
+    """Settings from flags, then the environment (via shared.settings), then defaults."""
+    args = build_parser().parse_args(argv)
+    env = flag_environment_default
     return GatewaySettings(
         redis=redis_settings_from_args(args),
         model=model_location(model_dir=args.model),

@@ -34,18 +34,33 @@ from shared.messages import encode
 from shared.settings import add_redis_arguments, redis_settings_from_args
 
 REDIS_TIMEOUT_S = 5.0
-QUOTA_FIELDS = ("max_queued", "max_in_flight", "max_tokens_per_request", "tokens_per_minute")
+# A tenant's quotas, each an add-key flag, with its help.
+QUOTA_HELP = {
+    "max_queued": "requests waiting for a worker; more get queue_full "
+    "(unset: the gateways' --default-max-queued)",
+    "max_in_flight": "requests on workers at once; the rest wait (unset: no cap)",
+    "max_tokens_per_request": "a larger max_tokens is an invalid_request (unset: no cap)",
+    "tokens_per_minute": "prompt + max_tokens reserved in a minute, over all gateways; "
+    "more get queue_full (unset: no cap)",
+}
+QUOTA_FIELDS = tuple(QUOTA_HELP)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """``orcapod tenants``' command line (``docs/configuration.md`` is made from it)."""
     parser = argparse.ArgumentParser(prog="orcapod tenants", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("hash-key", help="print the sha256 of the key read on stdin")
-    add = commands.add_parser("add-key", help="make a key for a tenant, print it once")
+    add = commands.add_parser(
+        "add-key",
+        help="make a key for a tenant, print it once (quotas left out keep the tenant's)",
+    )
     add.add_argument("--tenant", required=True, help="tenant name (letters, digits, _ . -)")
     add.add_argument("--weight", type=float, help="fair share against weight 1 (default 1)")
     for field in QUOTA_FIELDS:
-        add.add_argument(f"--{field.replace('_', '-')}", type=int, dest=field)
+        add.add_argument(
+            f"--{field.replace('_', '-')}", type=int, dest=field, help=QUOTA_HELP[field]
+        )
     add.add_argument(
         "--operator",
         action="store_true",
@@ -63,14 +78,14 @@ def _parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="the keys stored in Redis (hashes only)")
     add_redis_arguments(listing)
     revoke = commands.add_parser("revoke", help="remove a key from Redis by its sha256")
-    revoke.add_argument("key_sha256")
+    revoke.add_argument("key_sha256", help="the key's sha256, as `list` shows it")
     add_redis_arguments(revoke)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``orcapod tenants``; returns the exit status."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "hash-key":
             return _hash_key()

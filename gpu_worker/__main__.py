@@ -37,15 +37,20 @@ from shared.settings import (
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(WorkerSettings)}
 
 
-def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
-    """Settings from flags, falling back to the environment (shared.settings)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's flags, their defaults from the environment (shared.settings)."""
     parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__)
     add_redis_arguments(parser)
     parser.add_argument("--worker-id", help="default: worker-<host>-<pid>")
     parser.add_argument("--model", help="HF-format model dir (default: $ORCAPOD_MODEL or SmolLM2)")
     parser.add_argument("--cache-dir", help="prepared models (default: $ORCAPOD_CACHE_DIR)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: CUDA when present)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="the model's dtype (default: bfloat16 on CUDA, float32 on the CPU, where "
+        "--weights packs the matrices)",
+    )
     parser.add_argument(
         "--weights",
         choices=WEIGHT_FORMATS,
@@ -84,14 +89,26 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         help="full-context sequences the K/V pool is sized for at most: the scheduler's "
         "--max-batch-size, which bounds the requests placed on one worker (default: %(default)s)",
     )
-    parser.add_argument("--block-size", type=int_flag(1), default=DEFAULTS["block_size"])
+    parser.add_argument(
+        "--block-size",
+        type=int_flag(1),
+        default=DEFAULTS["block_size"],
+        help="tokens per K/V block; the worker announces it when it joins and the scheduler "
+        "counts blocks with it",
+    )
     parser.add_argument(
         "--max-inflight",
         type=int_flag(1, MAX_INFLIGHT),
         default=DEFAULTS["max_inflight"],
         help=f"plans held at once, the worker's lookahead (1 to {MAX_INFLIGHT})",
     )
-    parser.add_argument("--heartbeat-s", type=float, default=DEFAULTS["heartbeat_s"])
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=DEFAULTS["heartbeat_s"],
+        help="how often the worker refreshes its heartbeat key (which lives 3 beats, at least "
+        "1 s); the scheduler's --worker-timeout-s counts from the key's expiry",
+    )
     parser.add_argument(
         "--cuda-graphs",
         action="store_true",
@@ -125,13 +142,21 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
         "default: not served)",
     )
-    parser.add_argument("--metrics-host", default=DEFAULTS["metrics_host"])
+    parser.add_argument(
+        "--metrics-host", default=DEFAULTS["metrics_host"], help="address of the metrics server"
+    )
     parser.add_argument(
         "--engine-thread",
         action="store_true",
         help="run the engine on a thread of this process, not in a process of its own "
         "(which keeps its Python from waiting on the Redis loop's GIL)",
     )
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
+    """Settings from flags, falling back to the environment (shared.settings)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.weights not in WEIGHT_FORMATS:  # argparse checks choices only when given
         parser.error(

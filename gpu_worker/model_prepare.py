@@ -178,8 +178,8 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``orcapod model prepare [--cache-dir DIR] [--force]`` and ``orcapod model path``."""
+def build_parser() -> argparse.ArgumentParser:
+    """``orcapod model``'s flags (docs/configuration.md is made from them)."""
     parser = argparse.ArgumentParser(prog="orcapod model", description=__doc__.splitlines()[0])
     actions = parser.add_subparsers(dest="action", required=True)
     prepare = actions.add_parser("prepare", help="convert the bundled GGUF (once)")
@@ -188,7 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     where = actions.add_parser("path", help="print the model directory that will be served")
     where.add_argument("--cache-dir", help="cache directory (default: $ORCAPOD_CACHE_DIR)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``orcapod model prepare [--cache-dir DIR] [--force]`` and ``orcapod model path``."""
+    args = build_parser().parse_args(argv)
 
     location = model_location(cache_dir=args.cache_dir)
     if args.action == "path":

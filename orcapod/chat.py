@@ -46,7 +46,8 @@ USAGE = "Ctrl-C stops an answer or clears the line; /reset starts over; Ctrl-D o
 INTERRUPT_CHECK_S = 0.05
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """``orcapod chat``'s command line (``docs/configuration.md`` is made from it)."""
     parser = argparse.ArgumentParser(
         prog="orcapod chat", description=f"Chat with a running orcapod. {USAGE}"
     )
@@ -57,10 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--api-key", help="sent as a Bearer token (default: $ORCAPOD_API_KEY)")
     parser.add_argument("--system", default=None, help="a system message to start with")
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=512, help="the most tokens of one answer")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: the gateway picks one)"
+    )
     return parser
 
 
@@ -211,7 +214,7 @@ def _converse(socket: ClientConnection, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``orcapod chat``."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         url = websocket_url(args.url)
     except BadUrlError as error:

@@ -80,7 +80,8 @@ GATEWAY_STOP_MARGIN_S = 5.0
 RESTART_POLICY = RestartPolicy()
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """``orcapod up``'s command line (``docs/configuration.md`` is made from it)."""
     parser = argparse.ArgumentParser(prog="orcapod up", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--host",
@@ -93,10 +94,19 @@ def _parser() -> argparse.ArgumentParser:
         help="TOML file of tenants and API key hashes (default: $ORCAPOD_TENANTS_FILE)",
     )
     parser.add_argument("--port", type=int, default=8000, help="port of gateway 0 (i: port + i)")
-    parser.add_argument("--policy", choices=POLICIES, default="fair")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--gateways", type=int, default=1)
-    parser.add_argument("--model", default=None, help="HF-format model dir (default: embedded)")
+    parser.add_argument(
+        "--policy", choices=POLICIES, default="fair", help="the scheduler's --policy"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (>= 1)")
+    parser.add_argument(
+        "--gateways", type=int, default=1, help="gateway processes (>= 1), on consecutive ports"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF-format model dir, passed to every actor (default: $ORCAPOD_MODEL, else the "
+        "embedded one, prepared at the first start)",
+    )
     parser.add_argument(
         "--worker-arg",
         action="append",
@@ -331,7 +341,7 @@ def _serve(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``orcapod up``."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.workers < 1 or args.gateways < 1:
         print("orcapod up: --workers and --gateways must be >= 1", file=sys.stderr)
         return 2

@@ -22,23 +22,57 @@ from shared.settings import (
 )
 
 
-def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
-    """Settings from flags, falling back to the environment (shared.settings)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The scheduler's command line (``docs/configuration.md`` is made from it)."""
     defaults = SchedulerSettings(redis=redis_settings())
     parser = argparse.ArgumentParser(prog="python -m scheduler_actor", description=__doc__)
     add_redis_arguments(parser)
-    parser.add_argument("--policy", choices=POLICIES, default=defaults.policy)
-    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
-    parser.add_argument("--token-budget", type=int, default=defaults.token_budget)
-    parser.add_argument("--max-chunk-tokens", type=int, default=defaults.max_chunk_tokens)
-    parser.add_argument("--worker-timeout-s", type=float, default=defaults.worker_timeout_s)
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=defaults.policy,
+        help="how requests are batched: fair (iteration-level, chunked prefill, fairness "
+        "between tenants), orca (the paper's Algorithm 1), request (static batches); "
+        "docs/scheduler.md",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="requests in one plan; under fair and request also the requests placed on one "
+        "worker (a worker's --kv-cache-max-sequences should match it)",
+    )
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=defaults.token_budget,
+        help="new tokens (decodes and prompt chunks) of one step under fair",
+    )
+    parser.add_argument(
+        "--max-chunk-tokens",
+        type=int,
+        default=defaults.max_chunk_tokens,
+        help="the largest piece of one prompt prefilled in one step under fair",
+    )
+    parser.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=defaults.worker_timeout_s,
+        help="a worker whose heartbeat key has been gone this long is lost: its requests "
+        "wait again and are recomputed on another worker",
+    )
     parser.add_argument(
         "--orphan-timeout-s",
         type=float,
         default=defaults.orphan_timeout_s,
         help="cancel the requests of a gateway silent this long (unless resumed elsewhere)",
     )
-    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting)
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=defaults.max_waiting,
+        help="requests waiting for a worker, all tenants together; more get queue_full",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -46,7 +80,9 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
         "default: not served)",
     )
-    parser.add_argument("--metrics-host", default=defaults.metrics_host)
+    parser.add_argument(
+        "--metrics-host", default=defaults.metrics_host, help="address of the metrics server"
+    )
     parser.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
@@ -69,10 +105,15 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
     parser.add_argument(
         "--model",
         default=None,
-        help="the HF-format model dir the workers serve (default: the embedded one); only "
-        "its name is used, as the model_name label of the metrics",
+        help="the HF-format model dir the workers serve (default: $ORCAPOD_MODEL, else the "
+        "embedded one); only its name is used, as the model_name label of the metrics",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
+    """Settings from flags, falling back to the environment (shared.settings)."""
+    args = build_parser().parse_args(argv)
     return SchedulerSettings(
         redis=redis_settings_from_args(args),
         policy=args.policy,
