@@ -31,7 +31,7 @@ from gpu_worker.compiled_decode import CompiledDecode
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, kv_cache_size
 from gpu_worker.llama import LlamaModel
-from gpu_worker.path_compiler import StepPathCompiler, held_back_blocks
+from gpu_worker.path_compiler import StepPathCompiler, WarmCompileCache, held_back_blocks
 from gpu_worker.sampler import SamplingError, sample
 from gpu_worker.step_path import StepInputs, StepPiece, StepRunner
 from shared.messages import (
@@ -97,6 +97,7 @@ class Engine:
         compile_decode: bool = False,
         compile_in_background: bool = False,
         on_paths_changed: PathsChanged | None = None,
+        warm_compile_cache: WarmCompileCache | None = None,
     ) -> None:
         """``use_cuda_graphs`` replays captured graphs for decode-only steps; it takes
         effect on CUDA only (needs the ``triton`` backend) and is ignored on the CPU.
@@ -110,7 +111,9 @@ class Engine:
         engine serves on the eager forward at once while the compiled paths are
         built (``path_compiler.py``); else they are built before this returns.
         ``on_paths_changed`` hears of each change of the paths in use (from the
-        compiler's thread)."""
+        compiler's thread); ``warm_compile_cache(num_blocks, block_size)``, given, runs
+        the first compile in a process of its own before the thread's own
+        (``compile_cache_warmer.py``)."""
         budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
@@ -137,7 +140,7 @@ class Engine:
 
             self.paths.decode_runner = DecodeGraphRunner(model, self.kv_cache, self.backend)
         elif compile_decode and model.device.type == "cpu":
-            self.path_compiler = self._path_compiler(backend_name)
+            self.path_compiler = self._path_compiler(backend_name, warm_compile_cache)
         self.stats.live_paths = self.paths.planned()
         self.stats.compiling_paths = self.path_compiler is not None
         _log.info("step_paths", paths=self.stats.live_paths, compiling=self.stats.compiling_paths)
@@ -153,7 +156,9 @@ class Engine:
             else:
                 self.path_compiler.run()
 
-    def _path_compiler(self, backend_name: str) -> StepPathCompiler | None:
+    def _path_compiler(
+        self, backend_name: str, warm_compile_cache: WarmCompileCache | None
+    ) -> StepPathCompiler | None:
         """The compiler of the CPU's paths, on blocks held back at the pool's far end;
         None, with a line saying why, where the pool is too small to spare them."""
         held_back = held_back_blocks(self.model, self.kv_cache.block_size)
@@ -166,8 +171,9 @@ class Engine:
             return None
         self._num_held_back = held_back
         return StepPathCompiler(
-            self.model, self.kv_cache, backend_name, self.num_blocks, self.install_paths
-        )
+            self.model, self.kv_cache, backend_name, self.num_blocks, self.install_paths,
+            warm_compile_cache,
+        )  # fmt: skip
 
     def install_paths(self, compiled: StepRunner, settled: bool) -> None:
         """Serve ``compiled``'s checked parts from the next step on (``settled``: the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import multiprocessing
 import os
 import queue
@@ -160,10 +161,13 @@ class EngineHost(Protocol):
 def build_engine(settings: WorkerSettings, on_paths_changed: PathsChanged | None = None) -> Engine:
     """The model on its device and a K/V pool of the configured size
     (``on_paths_changed``: told of each change of the step paths in use)."""
+    from gpu_worker.attention import default_backend_name
+    from gpu_worker.compile_cache_warmer import WarmerSpec, warm_compile_cache
     from gpu_worker.device import inductor_cache_dir
     from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget, KVCacheSizeError
     from gpu_worker.model_loading import load_model
+    from gpu_worker.quantized_linear import weight_format_of
 
     # Compiled graphs kept beside the prepared models, so a restart reuses them.
     os.environ.setdefault(
@@ -179,6 +183,13 @@ def build_engine(settings: WorkerSettings, on_paths_changed: PathsChanged | None
         model = load_model(
             settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
         )
+        # The first compile of the paths built while serving, in a process of its own.
+        warmer = WarmerSpec(
+            settings.model.model_dir,
+            str(model.dtype).removeprefix("torch."),
+            weight_format_of(model.weights),
+            settings.attention_backend or default_backend_name(model.device),
+        )
         # The pool is sized from the memory left once the model is loaded.
         return Engine(
             model,
@@ -189,6 +200,11 @@ def build_engine(settings: WorkerSettings, on_paths_changed: PathsChanged | None
             compile_decode=settings.compile_decode,
             compile_in_background=settings.serve_while_compiling,
             on_paths_changed=on_paths_changed,
+            warm_compile_cache=(
+                functools.partial(warm_compile_cache, warmer)
+                if settings.serve_while_compiling
+                else None
+            ),
         )
     except KVCacheSizeError as error:
         raise EngineStartFailed(str(error)) from None

@@ -19,6 +19,11 @@ and the compiler reaches them through block tables of its own
 (``PagedKVCache.with_own_tables``), so the serving thread's requests and
 tables are never touched.
 
+A compile from scratch on this thread would hold the interpreter's lock for
+long stretches and slow every step 30-fold meanwhile; the worker runs that
+first compile in a process of its own (``compile_cache_warmer.py``), which
+this thread waits for, and then compiles from inductor's cache in seconds.
+
 The thread cannot be interrupted (a compile runs in inductor's code): it is
 a daemon, and a worker that stops meanwhile ends it with the process.
 """
@@ -42,6 +47,9 @@ _log = structlog.get_logger(__name__)
 # What the compiler hands over: its runner, whose compiled parts serve from the next
 # step, and whether it is done (no more parts will come).
 Install = Callable[[StepRunner, bool], None]
+# Runs the first compile for a pool of (num_blocks, block_size) in another process
+# (``compile_cache_warmer.py``), so that the thread's own compile only loads.
+WarmCompileCache = Callable[[int, int], None]
 
 
 def held_back_blocks(model: LlamaModel, block_size: int) -> int:
@@ -63,8 +71,10 @@ class StepPathCompiler:
         backend_name: str,
         first_block: int,
         install: Install,
+        warm_compile_cache: WarmCompileCache | None = None,
     ) -> None:
         self.model = model
+        self.warm_compile_cache = warm_compile_cache
         self.kv_cache = kv_cache.with_own_tables()
         self.backend_name = backend_name
         self.first_block = first_block
@@ -90,6 +100,9 @@ class StepPathCompiler:
         runner = StepRunner(model, self.kv_cache, self.backend_name)
         checked = StepRunner(model, self.kv_cache, self.backend_name)  # what passed: nothing yet
         try:
+            if self.warm_compile_cache is not None:
+                # Waits without the interpreter's lock: the steps go on at full speed.
+                self.warm_compile_cache(self.kv_cache.num_blocks, self.kv_cache.block_size)
             if self.backend_name == "cpu":
                 paged_attention = compiled_decode_attention_or_none(
                     config.num_kv_heads, config.num_heads, config.head_dim,

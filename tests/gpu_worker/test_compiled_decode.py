@@ -18,11 +18,13 @@ import msgspec
 import pytest
 import torch
 from structlog.testing import capture_logs
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
 
 from gpu_worker import compiled_decode, quantized_linear
 from gpu_worker.__main__ import parse_settings
 from gpu_worker.attention import SequenceLayout
 from gpu_worker.attention_cpu import CpuAttention
+from gpu_worker.compile_cache_warmer import WarmerSpec, warm_compile_cache
 from gpu_worker.compiled_decode import MIN_BLOCKS, CompiledDecode, GraphDecodeAttention
 from gpu_worker.decode_attention import CompiledDecodeAttention
 from gpu_worker.engine import Engine
@@ -55,9 +57,13 @@ GREEDY = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-    return load_model(model_dir, device="cpu", dtype="float32")
+def tiny_model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir, device="cpu", dtype="float32")
 
 
 def _engine(model, compile_decode: bool) -> Engine:
@@ -164,20 +170,37 @@ def test_a_batch_through_its_graph_and_its_survivor_through_the_lone_one(
     assert calls == [2] * 5 + [1] * 3
 
 
-def test_an_engine_serves_eagerly_while_its_paths_compile_then_on_them(model):
+def test_an_engine_serves_eagerly_while_its_paths_compile_then_on_them(
+    model, tiny_model_dir, compiled_engine, monkeypatch
+):
     """With compile_in_background the engine serves at once on the eager forward while
-    a thread compiles, probes (on blocks held back from the grants) and installs the
-    paged attention and the graphs between two steps. Requests join and leave all the
-    while: every token is the eager engine's, the served K/V untouched by the
-    compiler's steps, and each change of paths is told, in order."""
-    told: list[tuple[list[str], bool]] = []
+    a child process makes the first compile and a thread then compiles from its cache,
+    probes (on blocks held back from the grants) and installs the paged attention and
+    the graphs between two steps. Requests join and leave all the while: every token
+    is the eager engine's, the served K/V untouched by the compiler's steps, and each
+    change of paths is told, in order."""
+    # The suite's cache folder (the module's compiled engine filled it: the child
+    # loads from it), without the marker, so the child runs.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    spec = WarmerSpec(tiny_model_dir, "float32", "float32", "cpu")
     held_back = held_back_blocks(model, BLOCK_SIZE)
+    marker = spec.marker(NUM_BLOCKS + held_back, BLOCK_SIZE)
+    assert marker is not None
+    marker.unlink(missing_ok=True)
+    warmed: list[tuple[int, int]] = []
+
+    def warm(num_blocks: int, block_size: int) -> None:
+        warm_compile_cache(spec, num_blocks, block_size)
+        warmed.append((num_blocks, block_size))
+
+    told: list[tuple[list[str], bool]] = []
     budget = KVCacheBudget(
         num_bytes=(NUM_BLOCKS + held_back) * _block_bytes(model), block_size=BLOCK_SIZE
     )
     engine = Engine(
         model, budget, "cpu", compile_decode=True, compile_in_background=True,
         on_paths_changed=lambda paths, compiling: told.append((list(paths), compiling)),
+        warm_compile_cache=warm,
     )  # fmt: skip
     assert engine.path_compiler is not None and engine.num_blocks == NUM_BLOCKS
     eager_engine = _engine(model, compile_decode=False)
@@ -212,6 +235,9 @@ def test_an_engine_serves_eagerly_while_its_paths_compile_then_on_them(model):
                 tokens[token.request_id][side].append(token.token_id)
             if served is engine:
                 paths.append(output.path)
+        # A service's engine waits for plans between steps: so does this one, a little
+        # (back to back, its steps would leave the child at nice 10 a tenth of a core).
+        time.sleep(0.005)
         for request_id in [r for r in running if len(tokens[r][0]) == 12]:  # a leave
             for served in (engine, eager_engine):
                 _release(served, [request_id])
@@ -222,6 +248,25 @@ def test_an_engine_serves_eagerly_while_its_paths_compile_then_on_them(model):
     assert told[0] == (["eager"], True)
     assert told[-1] == (engine.stats.live_paths, False) and "graph[1]" in told[-1][0]
     assert engine.stats.compiling_paths is False
+    # The child compiled for the engine's whole pool, and marked it done.
+    assert warmed == [(NUM_BLOCKS + held_back, BLOCK_SIZE)] and marker.exists()
+
+
+def test_a_compile_cache_warmer_that_fails_only_says_so(tmp_path, monkeypatch):
+    """A child that cannot load the model (or compile) costs its time and one line;
+    nothing is marked, and the engine's thread goes on to compile itself."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    spec = WarmerSpec(tmp_path / "no-model", "float32", "float32", "cpu")
+    with capture_logs() as logs:
+        warm_compile_cache(spec, 64, BLOCK_SIZE)
+    (line,) = [entry for entry in logs if entry["event"] == "compile_cache_not_warmed"]
+    assert line["exit_status"] != 0 and "no-model" in line["output"]
+    marker = spec.marker(64, BLOCK_SIZE)
+    assert marker is not None and not marker.exists()
+    # Another pool shape, format or model is another marker.
+    assert spec.marker(64, BLOCK_SIZE) != spec.marker(65, BLOCK_SIZE)
+    other = WarmerSpec(tmp_path / "no-model", "float32", "float16", "cpu")
+    assert other.marker(64, BLOCK_SIZE) != marker
 
 
 def test_the_traced_attention_matches_the_cpu_backend():
