@@ -220,8 +220,16 @@ def test_at_a_terminal_lines_edit_recall_and_clear_and_ctrl_c_stops_only_the_ans
             # the previous key waits for the next key (0.2 s was too short once, on a
             # machine whose two cores a benchmark held).
             await asyncio.sleep(1.0)
-            terminal.type("\x03")
-            await terminal.expect("you> ")
+            # Under load the Ctrl-C can still land mid-echo and wait for a next key: a
+            # second Ctrl-C is that key (at a cleared line it only redraws the prompt).
+            for attempt in range(3):
+                terminal.type("\x03")
+                try:
+                    await terminal.expect("you> ")
+                    break
+                except AssertionError:
+                    if attempt == 2:
+                        raise
             # ... and keeps the conversation; Up recalls the question.
             terminal.type("\x1b[A")
             await terminal.expect(re.escape(question))
