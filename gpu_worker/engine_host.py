@@ -18,6 +18,7 @@ yet done (0: the engine is idle).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -59,6 +60,9 @@ _PR_SET_PDEATHSIG = 1
 # forward pass 4x slower beside a tokenizing gateway on the same two cores
 # (tests/adversarial/test_event_loop.py); with this spin that test's stream
 # is no slower under attack than with PASSIVE.
+# How long a stopping worker waits for its engine process to end by itself
+# (after its current step) before killing it.
+ENGINE_EXIT_WAIT_S = 10.0
 OPENMP_SPIN_COUNT = "30000"
 OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -311,6 +315,9 @@ class EngineProcess:
         """Spawn the engine process and wait until its model is loaded."""
         with _child_environment(engine_environment_defaults(os.environ)):
             self._process.start()
+        # multiprocessing's own exit handler would SIGTERM it (ignored: the shell
+        # decides when it stops) and then join it with no limit.
+        atexit.register(self._kill_if_running)
         self._child_end.close()  # the child holds its end now
         message: EngineReady | EngineFailed | PathsInUse | None = None
         while message is None or isinstance(message, PathsInUse):
@@ -337,6 +344,13 @@ class EngineProcess:
         if not self._closed:
             self._closed = True
             self._writer.send(_encoder.encode(None))
+
+    def _kill_if_running(self) -> None:
+        """End an engine process that did not end by itself in time."""
+        if self._process.pid is not None and self._process.is_alive():
+            _log.warning("engine_process_killed", pid=self._process.pid)
+            self._process.kill()
+            self._process.join(ENGINE_EXIT_WAIT_S)
 
     async def run(self, stop: asyncio.Event, done: asyncio.Queue[StepDone | None]) -> None:
         """Hand every StepDone the engine process sends to ``done`` until it ends."""
@@ -374,8 +388,12 @@ class EngineProcess:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(self._connection.fileno())
             done.put_nowait(None)
+            # Cancelled too (Redis gone for good): the end goes down the pipe
+            # before it is dropped, whichever of the worker's tasks ends first.
+            self.close()
             self._writer.discard()  # what the engine did not take stays unrun
-            await asyncio.to_thread(self._process.join, 10)
+            await asyncio.to_thread(self._process.join, ENGINE_EXIT_WAIT_S)
+            self._kill_if_running()
         if not asked_to_end:
             raise EngineProcessDied(f"the engine process exited ({self._process.exitcode})")
 

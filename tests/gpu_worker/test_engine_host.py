@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 
 from gpu_worker.engine import Engine
 from gpu_worker.engine_host import (
+    ENGINE_EXIT_WAIT_S,
     OPENMP_SPIN_COUNT,
     EngineProcess,
     EngineProcessDied,
@@ -114,6 +118,52 @@ def test_an_engine_process_that_dies_ends_the_worker(model_dir: Path) -> None:
         assert done.get_nowait() is None  # the publisher is told it is over
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_host_still_ends_its_engine_process(model_dir: Path) -> None:
+    # Redis gone for good cancels every task of the worker at once, in no set
+    # order: the host's own end must tell the engine to stop even when the plan
+    # reader's ``close`` comes after it (then a no-op), or the shell's exit
+    # would wait on the engine process forever.
+    async def scenario() -> int | None:
+        host = EngineProcess(_settings(model_dir))
+        await host.start()
+        running = asyncio.create_task(host.run(asyncio.Event(), asyncio.Queue()))
+        await asyncio.sleep(0.1)
+        running.cancel()
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        host.close()  # the plan reader's end, last
+        assert time.monotonic() - started < ENGINE_EXIT_WAIT_S / 2
+        return host._process.exitcode
+
+    assert asyncio.run(scenario()) == 0  # it ended by itself, not killed
+
+
+def test_a_shell_that_exits_without_stopping_its_engine_does_not_wait_for_it(
+    model_dir: Path,
+) -> None:
+    # The engine ignores SIGTERM (the shell decides when it stops), so
+    # multiprocessing's exit handler, which sends SIGTERM to daemon children and
+    # then joins them with no limit, must not be the last word.
+    shell_code = (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from gpu_worker.engine_host import EngineProcess\n"
+        "from tests.gpu_worker.test_engine_host import _settings\n"
+        "host = EngineProcess(_settings(Path(sys.argv[1])))\n"
+        "asyncio.run(host.start())\n"
+        "print('engine pid', host._process.pid, flush=True)\n"
+    )
+    shell = subprocess.run(
+        [sys.executable, "-c", shell_code, str(model_dir)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert shell.returncode == 0, shell.stderr
+    [engine_pid] = re.findall(r"^engine pid (\d+)$", shell.stdout, re.MULTILINE)
+    assert "engine_process_killed" in shell.stdout + shell.stderr
+    assert not Path(f"/proc/{engine_pid}").exists()
 
 
 def test_a_model_that_does_not_load_is_a_clear_error(tmp_path: Path) -> None:
