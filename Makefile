@@ -1,4 +1,5 @@
-# Benchmarks of the live service (docs/benchmarks.md, section "Live service").
+# Benchmarks of the live service (how to run: docs/benchmarks.md; the runs so far:
+# docs/history/benchmarks-notebook.md, section "Live service").
 # Each target starts what it needs (a private redis-server, orcapod up) on 127.0.0.1
 # and stops it again; results land in bench/results/.
 PYTHON ?= .venv/bin/python
@@ -16,7 +17,8 @@ bench-capacity:
 bench-quick:
 	$(PYTHON) -m orcapod bench compare --quick --no-progress --out bench/results/compare-quick
 
-# 1,000 clients on one gateway, then a 300 s soak sampling RSS and fds (docs/benchmarks.md, "Soak").
+# 1,000 clients on one gateway, then a 300 s soak sampling RSS and fds
+# (docs/history/benchmarks-notebook.md, "Soak").
 soak:
 	$(PYTHON) bench/soak.py
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU numbers for docs/benchmarks.md, in one run of under 8 minutes on one CUDA GPU:
+# GPU numbers for docs/performance.md ("GPU"), in one run of under 8 minutes on one CUDA GPU:
 #   1. bench/gpu.py: copy bandwidth and bf16 matmul rate (the ceilings), a triton-vs-reference
 #      check, decode step time for batch 1..256 x context 256..4096 (1B-class Llama and
 #      SmolLM2-135M shapes, random bf16 weights; eager and CUDA graphs) against the

@@ -130,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
         "--llama-threads",
         type=int,
         default=1,
-        help="llama-server -t (at 2 on 2 cores it stalls beside the client: docs/benchmarks.md)",
+        help="llama-server -t (at 2 on 2 cores it stalls beside the client: "
+        "docs/history/benchmarks-notebook.md, AIPerf)",
     )
     parser.add_argument(
         "--llama-slots", type=int, help="llama-server -np (default: one per conversation)"

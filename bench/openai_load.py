@@ -393,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         "--llama-threads",
         type=int,
         default=1,
-        help="llama-server -t (at 2 on 2 cores it stalls beside the client: docs/benchmarks.md)",
+        help="llama-server -t (at 2 on 2 cores it stalls beside the client: "
+        "docs/history/benchmarks-notebook.md, AIPerf)",
     )
     parser.add_argument("--llama-cache-dir", type=Path, default=DEFAULT_LLAMA_CACHE)
     parser.add_argument("--rate", type=float, default=Load.rate_rps, help="Poisson arrivals, req/s")

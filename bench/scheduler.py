@@ -94,7 +94,7 @@ def measure(
 
 
 def main() -> None:
-    """Print the table docs/benchmarks.md quotes."""
+    """Print the table whose batch-256 turns docs/performance.md quotes ("Control plane")."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--policies", default="fair,orca")

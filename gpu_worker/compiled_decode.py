@@ -120,8 +120,8 @@ class GraphDecodeAttention:
         attention, which inductor fuses with the gather of the blocks into a few loops
         reading the requests' keys and values where they lie (SDPA's kernel cost tens
         of microseconds a layer at one query, on blocks copied for it: a token 10 %
-        faster at 128 tokens of context, 17 % at 1,200: docs/benchmarks.md,
-        *Issue 14, seventh step*)."""
+        faster at 128 tokens of context, 17 % at 1,200: docs/history/benchmarks-notebook.md,
+        *the LM head and attention inside the compiled decode*)."""
         assert isinstance(prepared, DecodeInputs)
         return _ATTENTION_REGION(
             queries,

@@ -9,7 +9,8 @@ decode's graph traces it (``compiled_decode.py``); ``CompiledDecodeAttention``
 compiles it alone for the decodes of every other step, whose K/V the eager
 path copied out of the pool layer by layer before SDPA read them again (at
 64 requests of 256 tokens, the copies alone were 75 ms of a 400 ms step:
-docs/benchmarks.md, *Issue 14, eighth step*).
+docs/history/benchmarks-notebook.md, *batched decodes read the K/V pool in
+place*).
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def choose_dtype(device: torch.device, requested: str | None = None) -> torch.dt
     fp32 on every CPU, bf16 units or not: there ``--weights auto`` packs the
     matrices (fp16 weights, fp32 arithmetic),
     and a single chat's decode step took twice as long with a whole bf16
-    model on an avx512_bf16 Xeon (40 against 20 ms; docs/benchmarks.md,
-    *Issue 14, fourth step*).
+    model on an avx512_bf16 Xeon (40 against 20 ms; docs/history/benchmarks-notebook.md,
+    *int4 on a Xeon with bf16 units, side by side with llama.cpp*).
     """
     if requested:
         if requested not in DTYPES:

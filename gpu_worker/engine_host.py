@@ -55,8 +55,9 @@ _PR_SET_PDEATHSIG = 1
 # (OMP_WAIT_POLICY or GOMP_SPINCOUNT). A forward pass is hundreds of parallel
 # regions a few microseconds of Python apart: threads that sleep at every
 # barrier (OMP_WAIT_POLICY=PASSIVE) decoded SmolLM2 at 13-18 tokens/s against
-# 27-29 with this spin (2-core EPYC, 2 threads, float16 weights; docs/
-# benchmarks.md). libgomp's own default spins 10x longer, which once made a
+# 27-29 with this spin (2-core EPYC, 2 threads, float16 weights; docs/history/
+# benchmarks-notebook.md, *the CPU default, float16 matrices and a brief OpenMP
+# spin*). libgomp's own default spins 10x longer, which once made a
 # forward pass 4x slower beside a tokenizing gateway on the same two cores
 # (tests/adversarial/test_event_loop.py); with this spin that test's stream
 # is no slower under attack than with PASSIVE.

@@ -27,8 +27,8 @@ from gpu_worker.llama import LlamaModel
 # Below this many blocks in all (requests x blocks each), SDPA over copied blocks
 # is as fast as the compiled paged attention: a compiled call costs about 60 us
 # of Python wrappers, a layer's SDPA at 2 requests of 16 tokens about 70 us in
-# all (the crossover lay between 8 and 16 blocks: docs/benchmarks.md, *Issue 14,
-# eighth step*).
+# all (the crossover lay between 8 and 16 blocks: docs/history/benchmarks-notebook.md,
+# *batched decodes read the K/V pool in place*).
 PAGED_ATTENTION_MIN_BLOCKS = 16
 
 # The eager forward's two ways for its decodes (and its name with neither).

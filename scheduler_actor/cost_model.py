@@ -14,7 +14,7 @@ class CostModel:
     """Seconds of one forward pass from its new and attended token counts.
 
     The defaults are bench/engine.py's fit for SmolLM2-135M in fp32 on a
-    2-core AVX2 CPU (docs/benchmarks.md, "Engine").
+    2-core AVX2 CPU (docs/history/benchmarks-notebook.md, "Engine").
     """
 
     a_s: float = 0.0698

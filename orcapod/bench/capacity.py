@@ -44,7 +44,8 @@ STEPS_AHEAD = 2
 TOKEN_IDS = (1_000, 2_000, 3_000, 4_000, 5_000, 6_000, 7_000, 8_000)
 PHASE_TIMEOUT_S = 120.0
 # Requests are sent in waves: a burst of 1,000 submits at once exhausts the
-# gateway's Redis connection pool ("Too many connections"; see docs/benchmarks.md).
+# gateway's Redis connection pool ("Too many connections"; see
+# docs/history/benchmarks-notebook.md, "Live service").
 SEND_WAVE, SEND_WAVE_PAUSE_S = 20, 0.1
 
 

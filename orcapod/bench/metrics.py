@@ -1,6 +1,6 @@
 """What one benchmark run measured: client-side latencies and the service's own counters.
 
-Definitions (docs/benchmarks.md, design brief "Measuring"):
+Definitions (docs/performance.md, "How to measure"; design brief "Measuring"):
 
 - normalized latency = end-to-end latency / generated tokens;
 - TTFT = first token - send; ITL = gaps between consecutive tokens of a request;
