@@ -1,6 +1,7 @@
 """Candidate CPU kernels for one decode token's layer matrices, side by side.
 
-    python bench/cpu_kernels.py [--threads 2] [--calls 500] [--emulate-avx2] [--out FILE.json]
+    python bench/cpu_kernels.py [--threads 2] [--calls 500] [--emulate-avx2]
+                                [--rows 1,4,16,64,512] [--out FILE.json]
 
 What a lone decode step reads from its 30 layers, one kernel at a time: each of
 SmolLM2-135M's four layer matrices (q/k/v fused, o, gate/up fused, down) at one
@@ -31,6 +32,10 @@ onnx numba`` and ``PYTHONPATH=DIR``). ``--emulate-avx2`` reruns the script with
 oneDNN and MKL held to AVX2 and ``NUMBA_CPU_NAME=haswell``, on an AVX-512 CPU;
 ONNX Runtime picks its kernels from ``cpuid`` and cannot be held to AVX2, so
 its rows say ``native``.
+
+``--rows`` also times calls of more rows (a batch of decodes, a prefill chunk)
+for the forms that take any number (``float32``, ``float16 fbgemm``, ``q4_1
+orcapod``), each row count in rows of its own.
 
 Prints the median time a call, GB/s of the form's bytes, the largest error
 against the fp32 product (relative to the largest output) and the sum for 30
@@ -67,6 +72,8 @@ AVX2_ENV = {
 }
 
 Kernel = Callable[[Any], Any]
+# The forms that take calls of any number of rows (the others are built for one).
+ANY_ROWS = ("float32", "float16 fbgemm", "q4_1 orcapod")
 
 
 class Q4Matrix:
@@ -189,7 +196,7 @@ def numba_kernel(matrix: Q4Matrix, threads: int) -> dict[str, tuple[Kernel, int]
     return {"numba": (lambda x: kernel(x.numpy()[0]), kernel.num_bytes)}
 
 
-def measure(threads: int, calls: int) -> dict[str, Any]:
+def measure(threads: int, calls: int, row_counts: list[int]) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -204,18 +211,23 @@ def measure(threads: int, calls: int) -> dict[str, Any]:
             kernels |= onnxruntime_kernels(matrix, threads)
         if importlib.util.find_spec("numba"):
             kernels |= numba_kernel(matrix, threads)
-        x = torch.randn(1, in_features)
-        reference = (x.double() @ matrix.weight.double().T)[0]
-        for kind, (kernel, num_bytes) in kernels.items():
-            out = torch.as_tensor(np.asarray(kernel(x)), dtype=torch.float64).reshape(-1)
-            error = float((out - reference).abs().max() / reference.abs().max())
-            seconds_per_call = median_s(functools.partial(kernel, x), calls)
-            results.setdefault(kind, {})[name] = {
-                "us": seconds_per_call * 1e6,
-                "gb_per_s": num_bytes / seconds_per_call / 1e9,
-                "relative_error": error,
-            }
-            print(f"{kind:32s} {name:8s} {seconds_per_call * 1e6:8.1f} us", file=sys.stderr)
+        for rows in row_counts:
+            x = torch.randn(rows, in_features)
+            reference = x.double() @ matrix.weight.double().T
+            for kind, (kernel, num_bytes) in kernels.items():
+                if rows > 1 and kind not in ANY_ROWS:
+                    continue
+                out = torch.as_tensor(np.asarray(kernel(x)), dtype=torch.float64)
+                error = float((out.reshape(reference.shape) - reference).abs().max())
+                error /= float(reference.abs().max())
+                seconds_per_call = median_s(functools.partial(kernel, x), calls)
+                label = kind if rows == 1 else f"{kind}, {rows} rows"
+                results.setdefault(label, {})[name] = {
+                    "us": seconds_per_call * 1e6,
+                    "gb_per_s": num_bytes / seconds_per_call / 1e9,
+                    "relative_error": error,
+                }
+                print(f"{label:32s} {name:8s} {seconds_per_call * 1e6:8.1f} us", file=sys.stderr)
     for per_shape in results.values():
         if len(per_shape) == len(SHAPES):
             per_shape["30 layers ms"] = LAYERS * sum(e["us"] for e in per_shape.values()) / 1e3
@@ -242,6 +254,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calls", type=int, default=500, help="timed calls per kernel and shape")
     parser.add_argument("--emulate-avx2", action="store_true")
+    parser.add_argument("--rows", default="1", help="row counts of x, e.g. 1,4,16,64,512")
     parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_kernels.json"))
     args = parser.parse_args()
     # Every library is imported below this, so a rerun's imports see AVX2_ENV.
@@ -250,12 +263,14 @@ def main() -> None:
         os.execve(sys.executable, argv, {**os.environ, **AVX2_ENV})
     from bench.profile_engine import machine
 
-    results = measure(args.threads, args.calls)
+    row_counts = [int(rows) for rows in args.rows.split(",")]
+    results = measure(args.threads, args.calls, row_counts)
     print_table(results)
     report = {
         "machine": machine(),
         "threads": args.threads,
         "emulated_avx2": args.emulate_avx2,
+        "rows": row_counts,
         "kernels": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

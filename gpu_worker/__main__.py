@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "answer can change with the batch it runs in); fewer bytes per token (CPU and "
         "--dtype float32 only; where one cannot run or hold a matrix, or its logits of a "
         "probe prompt stray, the next or the loaded weights, with a log line); auto "
-        "(default): float16 on the CPU, the loaded weights elsewhere ($ORCAPOD_WEIGHTS)",
+        "(default): q4_1 on the CPU where the layers are on its grid and its kernel runs, "
+        "else float16; the loaded weights elsewhere ($ORCAPOD_WEIGHTS)",
     )
     parser.add_argument("--backend", help="attention backend (default: the device's fastest)")
     parser.add_argument(

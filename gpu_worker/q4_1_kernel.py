@@ -4,11 +4,12 @@ activations on the CPU (AVX2, FMA, F16C), and the packing of a matrix for it.
 Built by ``torch.utils.cpp_extension`` with the C++ compiler the compiled
 decode already needs, once, into ``<cache>/extensions/<torch>/`` (``scripts/setup.sh``
 builds it; a worker that finds it missing builds it at start, about half a
-minute): loading it registers ``torch.ops.orcapod.q4_1_linear``, which eager
-steps call and compiled graphs call as an opaque op (its shape rule is
-registered here). A CPU without AVX2, FMA and F16C, or a build that fails,
-leaves it out with a reason (``kernel_unavailable_reason``): the worker keeps
-the float16 path and says why in one log line.
+minute; a changed source is rebuilt there by the same call): loading it
+registers ``torch.ops.orcapod.q4_1_linear``, which eager steps call and compiled
+graphs call as an opaque op (its shape rule is registered here). A CPU without
+AVX2, FMA and F16C, or a build that fails, leaves it out with a reason
+(``kernel_unavailable_reason``): the worker keeps the float16 path and says why
+in one log line.
 
 ``python -m gpu_worker.q4_1_kernel`` builds it (or says why it cannot).
 """
@@ -28,15 +29,9 @@ import torch.nn.functional as F
 
 # Weights per group: one scale and one minimum for each 32 of a row.
 Q4_1_GROUP_SIZE = 32
-# Calls of this many rows or more (a prefill chunk, a large mixed step) dequantize the
-# matrix to fp32 in C++ and take torch's fp32 matmul, which reuses each weight
-# across rows as the kernel does not: measured on SmolLM2's gate/up (3072 x 576,
-# 2 threads, AVX-512 EPYC), the kernel 0.13 ms at 4 rows and 2.8 ms at 64, the
-# dequantize-then-matmul 1.8 ms at 64 and 10 ms at 512 (the kernel 22 ms); the
-# crossover lies near 32. Either side computes with the same weights; the
-# rounding of the sums differs (about 1e-7 relative), as a compiled graph's does
-# from an eager step's.
-Q4_1_DENSE_FROM_ROWS = 32
+# Output rows per panel and columns per block of the kernel's layout (Q41Matrix).
+PANEL_ROWS = 16
+BLOCK_COLUMNS = 8
 SOURCE = Path(__file__).resolve().parent / "csrc" / "q4_1_linear.cpp"
 # The instructions the kernel is compiled for, and the CPU flags that say a CPU has them.
 # -fopenmp: at::parallel_for is OpenMP's in torch's CPU builds, and without it the
@@ -114,30 +109,31 @@ def _load() -> None:
 
     @torch.library.register_fake("orcapod::q4_1_linear")
     def _(
-        x: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+        x: torch.Tensor,
+        levels: torch.Tensor,
+        scales: torch.Tensor,
+        minimums: torch.Tensor,
+        out_features: int,
     ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], levels.shape[0]))
-
-    @torch.library.register_fake("orcapod::q4_1_dequantize")
-    def _(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
-        return levels.new_empty((levels.shape[0], levels.shape[1] * 2), dtype=torch.float32)
+        return x.new_empty((x.shape[0], out_features))
 
 
 @dataclass(frozen=True)
 class Q41Matrix:
-    """One ``[out, in]`` matrix in the kernel's layout (``csrc/q4_1_linear.cpp``)."""
+    """One ``[out, in]`` matrix in the kernel's layout (``csrc/q4_1_linear.cpp`` says
+    why): output rows in panels of ``PANEL_ROWS`` (the last padded with zero
+    weights), a panel's columns in blocks of ``BLOCK_COLUMNS``."""
 
-    levels: torch.Tensor  # [out, in / 2] uint8: element k low nibble, k + 16 high, per group
-    scales: torch.Tensor  # [out, in / 32] fp16
-    minimums: torch.Tensor  # [out, in / 32] fp16
-
-    @property
-    def out_features(self) -> int:
-        return int(self.levels.shape[0])
+    # [panels, in / 8, 64] uint8: per block, outputs 0-7 then 8-15 of the panel, a
+    # little-endian uint32 each holding its 8 columns' levels, column j in bits 4j..4j+3
+    levels: torch.Tensor
+    scales: torch.Tensor  # [panels, in / 32, 16] fp16
+    minimums: torch.Tensor  # [panels, in / 32, 16] fp16
+    out_features: int
 
     @property
     def in_features(self) -> int:
-        return int(self.levels.shape[1]) * 2
+        return int(self.levels.shape[1]) * BLOCK_COLUMNS
 
     @property
     def num_bytes(self) -> int:
@@ -162,39 +158,46 @@ class Q41Matrix:
         off_grid = (levels * step + minimum.float()[..., None] - groups).abs()
         if not bool((off_grid <= 1e-3 * safe_step).all()):  # NaN too
             raise Q41PackError(f"is not on a 4-bit grid of {Q4_1_GROUP_SIZE} values (not Q4_1)")
-        nibbles = levels.to(torch.uint8)
-        packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+        num_panels = -(-out_features // PANEL_ROWS)
+        padding = (0, 0, 0, num_panels * PANEL_ROWS - out_features)  # zero rows at the end
+        nibbles = F.pad(levels.to(torch.uint8).reshape(out_features, in_features), padding)
+        # [panel, half, lane, block, byte, nibble] -> [panel, block, half, lane, byte]
+        nibbles = nibbles.reshape(num_panels, 2, 8, in_features // BLOCK_COLUMNS, 4, 2)
+        packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).permute(0, 3, 1, 2, 4)
+
+        def per_panel(table: torch.Tensor) -> torch.Tensor:
+            """[out, groups] -> [panels, groups, 16]."""
+            table = F.pad(table, padding).reshape(num_panels, PANEL_ROWS, -1)
+            return table.transpose(1, 2).contiguous()
+
         return cls(
-            packed.reshape(out_features, in_features // 2).contiguous(),
-            scale.contiguous(),
-            minimum.contiguous(),
+            packed.reshape(num_panels, in_features // BLOCK_COLUMNS, -1).contiguous(),
+            per_panel(scale),
+            per_panel(minimum),
+            out_features,
         )
 
     def dequantized(self) -> torch.Tensor:
-        """The fp32 matrix it holds: the reference the kernel is tested against."""
-        low, high = self.levels & 0x0F, self.levels >> 4
-        groups = self.levels.shape[1] * 2 // Q4_1_GROUP_SIZE
-        nibbles = torch.cat(
-            (
-                low.reshape(self.out_features, groups, 16),
-                high.reshape(self.out_features, groups, 16),
-            ),
-            dim=-1,
-        ).float()
-        weights = nibbles * self.scales.float()[..., None] + self.minimums.float()[..., None]
-        return weights.reshape(self.out_features, self.in_features)
+        """The fp32 matrix it holds [out, in]: the reference the kernel is tested against."""
+        num_panels, num_blocks, _ = self.levels.shape
+        packed = self.levels.reshape(num_panels, num_blocks, 2, 8, 4)
+        nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+        # [panel, block, half, lane, byte, nibble] -> [panel, half, lane, block, byte, nibble]
+        levels = nibbles.permute(0, 2, 3, 1, 4, 5).reshape(num_panels * PANEL_ROWS, -1, 32)
 
-    def dequantized_by_kernel(self) -> torch.Tensor:
-        """``dequantized()``, bit for bit, made by the C++ op (fast, parallel)."""
-        return torch.ops.orcapod.q4_1_dequantize(self.levels, self.scales, self.minimums)
+        def per_row(table: torch.Tensor) -> torch.Tensor:
+            """[panels, groups, 16] -> [panels * 16, groups, 1] fp32."""
+            return table.transpose(1, 2).reshape(num_panels * PANEL_ROWS, -1, 1).float()
+
+        weights = levels.float() * per_row(self.scales) + per_row(self.minimums)
+        return weights.reshape(num_panels * PANEL_ROWS, -1)[: self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, in] fp32 -> [T, out] fp32 (the kernel must be loaded): the kernel
-        below ``Q4_1_DENSE_FROM_ROWS`` rows, torch's fp32 matmul on the dequantized
-        matrix from there."""
-        if x.dim() == 2 and x.shape[0] >= Q4_1_DENSE_FROM_ROWS and x.dtype == torch.float32:
-            return F.linear(x, self.dequantized_by_kernel())
-        return torch.ops.orcapod.q4_1_linear(x, self.levels, self.scales, self.minimums)
+        """``x`` [T, in] fp32 -> [T, out] fp32 (the kernel must be loaded); each row's
+        bits the same whatever else is in ``x``."""
+        return torch.ops.orcapod.q4_1_linear(
+            x, self.levels, self.scales, self.minimums, self.out_features
+        )
 
 
 def main() -> int:

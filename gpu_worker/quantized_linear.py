@@ -8,9 +8,9 @@ that ship in every x86 torch wheel (fbgemm's fp16 one, and torch's own 4-bit one
 - ``q4_1``: for weights on llama.cpp's Q4_1 grid (the packaged model's layers),
   held exactly (4-bit levels, an fp16 scale and minimum per 32) for
   ``q4_1_kernel.py``'s C++ kernel; fp32 activations and accumulation, the same
-  arithmetic for a row alone or in a batch (calls of 32 rows or more, prefills,
-  dequantize to fp32 and take torch's matmul). The LM head off the grid (the
-  packaged one is Q8_0) is kept as the float16 format keeps it.
+  arithmetic for a row alone or in a batch of any size, prefills included. The
+  LM head off the grid (the packaged one is Q8_0) is kept as the float16 format
+  keeps it.
 
 - ``float16``: weights rounded to fp16 once; activations and accumulation
   stay fp32 (about 0.02 % per layer, independent of the batch).
@@ -34,8 +34,9 @@ hands them back unchanged with one log line per format tried saying why it
 cannot: not the CPU, not fp32, no fbgemm, no bf16 units (int4), a matrix the
 format cannot hold, or logits of a probe prompt that stray from the loaded
 weights'. Why these kernels and not others, and what they cost in agreement:
-docs/benchmarks.md, *Issue 14, second step* (AVX2) and *fourth step* (AVX-512
-with BF16).
+docs/performance.md, *Weights against float32*; how they were chosen:
+docs/history/benchmarks-notebook.md, *fewer weight bytes per token* (AVX2) and
+*int4 on a Xeon with bf16 units, side by side with llama.cpp* (AVX-512 with BF16).
 """
 
 from __future__ import annotations
@@ -51,35 +52,36 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gpu_worker.device import cpu_has_native_bf16
-from gpu_worker.q4_1_kernel import (
-    Q4_1_DENSE_FROM_ROWS,
-    Q41Matrix,
-    Q41PackError,
-    kernel_unavailable_reason,
-)
+from gpu_worker.q4_1_kernel import Q41Matrix, Q41PackError, kernel_unavailable_reason
 from shared.settings import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from gpu_worker.weights import ModelWeights
 
 # What ``auto`` tries on the CPU, in order, the first that packs and passes the
-# probe winning. float16: every greedy token of 20 chat prompts identical to
-# fp32's, logits within 0.15 %, 1.6-1.8x fp32's decode at batch 1 (AVX2,
-# docs/benchmarks.md, *Issue 14, second step*), and a request's answer the
-# same whatever runs beside it (fp32 arithmetic, row by row).
-# q4_1 is not tried yet, though a lone chat decodes 1.1-1.3x float16's speed
-# with it (the layers read as the file holds them, a third of the bytes): its
-# kernel reads every weight once per row of a call, so a step of 64 decodes
-# took 290 ms against float16's 196 (docs/benchmarks.md, *Current numbers*),
-# and a service's throughput is made of such steps. ``--weights q4_1`` is a choice.
+# probe winning (docs/performance.md has the figures).
+# q4_1 first: the packaged model's layers as its file holds them, a third of
+# float16's bytes, for the project's kernel, whose fp32 arithmetic is the same
+# for a row alone or in a batch of any size (a request's answer does not
+# depend on what runs beside it). Measured on 2 cores, q4_1 against float16:
+# a lone decode 1.19x float16's speed (1.11x held to AVX2), a step of 64
+# decodes and a 512-token prefill no slower; every greedy answer of
+# bench/quant_agreement.py's chats but one identical to float32's (float16:
+# all), its first-step logits closer to float32's than float16's. A checkpoint
+# off the Q4_1 grid (safetensors, other GGUF types) does not pack, and a CPU
+# without AVX2, FMA and F16C or a kernel that did not build cannot run it:
+# one ``weights_not_packed`` line, then float16.
+# float16: every greedy token of 20 chat prompts identical to fp32's, logits
+# within 0.15 %, 1.6-1.8x fp32's decode at batch 1 (AVX2), the same
+# arithmetic row by row.
 # int4 is not tried, though it reads a quarter of float16's bytes where it
-# runs (*Issue 14, fourth step*): it rounds every layer's output to bf16, and
-# by one kernel at up to 8 rows and another above, so a greedy answer can
-# change with the batch it ran in. Measured on an avx512_bf16 EPYC: "What is
-# rain?" opens with a near-tie (fp32 logits 23.940 against 23.934), which
-# int4 resolves one way alone and the other beside other chats. An answer that
-# depends on who else is served is not a default; ``--weights int4`` is a choice.
-AUTO_CPU_FORMATS = ("float16",)
+# runs: it rounds every layer's output to bf16, and by one kernel at up to 8
+# rows and another above, so a greedy answer can change with the batch it ran
+# in. Measured on an avx512_bf16 EPYC: "What is rain?" opens with a near-tie
+# (fp32 logits 23.940 against 23.934), which int4 resolves one way alone and
+# the other beside other chats. An answer that depends on who else is served
+# is not a default; ``--weights int4`` is a choice.
+AUTO_CPU_FORMATS = ("q4_1", "float16")
 # How far two computations of the same step may stray, relative to the largest
 # logit, where the layers round to bf16 (int4): bf16 keeps three significant
 # digits, and two bf16 computations rounding in other places drift apart over
@@ -92,14 +94,15 @@ BF16_LOGIT_ERROR = 5e-2
 INT4_GROUP_SIZE = 32
 # Calls of at most this many rows take the 4-bit kernel, larger ones the bf16
 # copy: measured crossover between 8 and 16 rows on SmolLM2's shapes
-# (docs/benchmarks.md, *Issue 14, fourth step*).
+# (docs/history/benchmarks-notebook.md, *int4 on a Xeon with bf16 units*).
 INT4_MAX_ROWS = 8
 # The int8 groups of an LM head on llama.cpp's Q8_0 grid, and how many rows its
 # layout interleaves: one AVX-512 vector of fp32. Measured on SmolLM2's head
 # (49152 x 576, 2 threads): 1.1 ms a token with AVX-512, against 1.3-2.2 for
 # fbgemm's fp16; the same loop in AVX2 code took 3.9 ms, so only CPUs whose
-# vector code torch and inductor run in AVX-512 take it (docs/benchmarks.md,
-# *Issue 14, seventh step*).
+# vector code torch and inductor run in AVX-512 take it
+# (docs/history/benchmarks-notebook.md, *the LM head and attention inside the
+# compiled decode*).
 INT8_GROUP_SIZE = 32
 INT8_ROW_TILE = 16
 INT8_GROUP_CPU_CAPABILITIES = ("AVX512",)
@@ -351,10 +354,9 @@ class Q41Linear:
     """``[out, in]`` weights on llama.cpp's Q4_1 grid (the packaged model's layers),
     held exactly in 4 bits plus an fp16 scale and minimum per 32, for the project's
     own kernel (``q4_1_kernel.py``): fp32 activations and accumulation, the same
-    arithmetic for every row of a call of fewer than ``Q4_1_DENSE_FROM_ROWS`` rows
-    whatever else is in it (exact to fp32 rounding), about a third of float16's
-    bytes; larger calls (prefill chunks) multiply the same weights dequantized to
-    fp32. Eager steps and the lone compiled graph call the same op."""
+    arithmetic for every row of a call whatever else is in it, at any number of
+    rows (exact to fp32 rounding), about a third of float16's bytes. Eager steps
+    and the lone compiled graph call the same op."""
 
     matrix: Q41Matrix
 
@@ -364,8 +366,8 @@ class Q41Linear:
     # worker's first start a minute or more on two cores: batches run eagerly,
     # as float16's do, the kernel doing the same arithmetic either way.
     traceable_for_batches: ClassVar[bool] = False
-    # From Q4_1_DENSE_FROM_ROWS rows, the dequantized matrix and torch's fp32 matmul.
-    kernel_changes_above: ClassVar[int | None] = Q4_1_DENSE_FROM_ROWS - 1
+    # One kernel, one arithmetic, for any number of rows.
+    kernel_changes_above: ClassVar[int | None] = None
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> Q41Linear:

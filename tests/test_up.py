@@ -15,9 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
+from gpu_worker.q4_1_kernel import kernel_unavailable_reason
+from gpu_worker.quantized_linear import resolve_weight_format
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
 from tests.conftest import descendants, free_port_run
 from tests.prometheus_server import PROMETHEUS, prometheus_scraping
@@ -154,10 +157,13 @@ def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_an
 
 def test_up_serves_the_cpu_default_weights_packed(service):
     _, _, up = service
-    # Logged by the worker before it joined, so before "ready": float16 on every
-    # CPU (q4_1 and int4 are choices: gpu_worker/quantized_linear.py says why).
+    # Logged by the worker before it joined, so before "ready": the packaged
+    # model's layers as its file holds them (q4_1) where the project's kernel
+    # runs, else float16 (int4 is a choice: gpu_worker/quantized_linear.py says why).
+    expected = resolve_weight_format("auto", torch.device("cpu"), torch.float32)
+    assert expected == ("float16" if kernel_unavailable_reason() else "q4_1")
     packed = [line for line in up.output if "weights_packed" in line]
-    assert packed and '"weight_format": "float16"' in packed[0], packed
+    assert packed and f'"weight_format": "{expected}"' in packed[0], packed
 
 
 def _metrics_urls(up: UpProcess) -> dict[str, str]:

@@ -1,234 +1,326 @@
 // A Q4_1 weight matrix times fp32 activations on the CPU (AVX2, FMA, F16C): the
 // projections of the packaged model's layers, for every step (decode and prefill).
 //
-// The scheme is llama.cpp's Q4_1 (its block_q4_1 and ggml_vec_dot_q4_1_q8_1 are
-// the reference this follows in spirit): each row of W [out, in] is cut into
-// groups of 32 weights, a group being a scale d, a minimum m and 32 levels q in
-// 0..15, its weights q * d + m. Unlike llama.cpp the activations are not
-// rounded to 8 bits (Q8_1): they stay fp32, and
+// The weights are llama.cpp's Q4_1 (its block_q4_1 is the reference): each row of
+// W [out, in] is cut into groups of 32 weights, a group being a scale d, a minimum
+// m (both fp16) and 32 levels q in 0..15, its weights q * d + m. Unlike llama.cpp
+// the activations are not rounded to 8 bits: they stay fp32, and so do the sums.
 //
-//     y[t, o] = sum over groups g of  d_g * (sum_j q_j x[t, j])  +  m_g * (sum_j x[t, j])
+// The scheme is a GEMM whose weight operand is decoded as it is needed (BLIS's
+// register tiles, with a panel of W in registers or in a thread's cache):
 //
-// is accumulated in fp32: exact to fp32 rounding against dequantize-then-matmul
-// (tests/gpu_worker/test_q4_1_kernel.py).
+//     y[t, o] = fma(x[t, K-1], w[K-1, o], ... fma(x[t, 1], w[1, o], fma(x[t, 0], w[0, o], 0)))
 //
-// Layout (gpu_worker/q4_1_kernel.py packs it): levels [out, in / 2] uint8, where
-// byte k of a row's group holds the group's element k in its low nibble and
-// element k + 16 in its high one (as llama.cpp's qs); scales and minimums
-// [out, in / 32] fp16, as llama.cpp keeps them.
+// one chain of FMAs per output element, columns k in order, where w[k, o] =
+// fma(q, d, m) is the very fp32 weight the GGUF reader makes (q * d is exact in
+// fp32, 4 bits times fp16's 11, so one rounding is the reader's product-then-sum).
+// A vector holds 8 outputs; a broadcast x[t, k] multiplies them. Every output
+// element goes through those operations in that order whatever the number of rows
+// of x, how they are blocked, which path below runs them, or the threads: a
+// request's result does not depend on what else is in its batch, at any size,
+// prefill included. Exact to fp32 rounding against dequantize-then-matmul
+// (tests/gpu_worker/test_q4_1_kernel.py). Compiled with -ffp-contract=off so that
+// the compiler fuses nothing on its own.
 //
-// Every output element goes through the same operations in the same order
-// whatever the number of rows of x, how they are blocked, or the threads: a
-// request's result does not depend on what else is in its batch (up to the rows
-// where q4_1_dequantize and torch's fp32 matmul take over: a prefill, where a GEMM
-// that reuses each weight across rows is faster). Compiled with -ffp-contract=off
-// so that the compiler fuses nothing on its own.
+// Layout (gpu_worker/q4_1_kernel.py packs it): output rows in panels of 16 (the
+// last one padded with zero weights), a panel's columns in blocks of 8:
+//   levels   [panels, in / 8, 64] uint8: a block is two vectors of 8 uint32 lanes,
+//            the panel's outputs 0-7 then 8-15; lane i holds output i's levels of
+//            the block's 8 columns, column j in bits 4j..4j+3 (a mask, a shift and
+//            a conversion a column: no shuffles);
+//   scales   [panels, in / 32, 16] fp16: d of the panel's 16 outputs, per group;
+//   minimums [panels, in / 32, 16] fp16: m likewise.
+//
+// Threads share out the panels. Two paths, one arithmetic:
+// - up to kFewRows rows (decode steps): every row uses each column as it is
+//   decoded into two vectors. A lone row takes two panels at a time, so that four
+//   chains of FMAs overlap their latency.
+// - more rows: a few rows decode the panel's columns, use them and store them to
+//   a thread's buffer [in, 16] fp32 (36 KiB for in = 576: it stays in L1/L2, never
+//   in memory), and the others run a 6 x 16 register tile over the buffer. Each
+//   weight is decoded once a call, so that the FMAs of the rows are nearly all the
+//   work: from 64 rows on, about 95 % of the FMA units' peak (one Zen 4 core).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
 constexpr int64_t kGroup = 32;
-// Rows of x that share one decoding of a group's levels.
-constexpr int64_t kRowsAtOnce = 4;
-// Output rows per task of the thread pool.
-constexpr int64_t kOutputGrain = 16;
+// Outputs per panel: two vectors of 8 fp32 lanes.
+constexpr int64_t kPanel = 16;
+// Columns per block of levels: 8 nibbles to a 32-bit lane.
+constexpr int64_t kBlock = 8;
+constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
+// Calls of up to this many rows decode into registers only. It is also the most
+// rows that decode at once: 4 rows x 2 vectors of sums, 2 of weights, 2 of levels
+// and a broadcast are 13 of AVX2's 16 registers; a fifth row would spill.
+constexpr int kFewRows = 4;
+// Rows per tile over a decoded buffer: 6 x 2 sums + 2 weights + 1 broadcast = 15.
+constexpr int kBufferRows = 6;
+// Rows the tiles over a buffer get at least: one or two rows are two or four
+// chains of FMAs, bound by their latency.
+constexpr int kFewestBufferRows = 3;
 
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
+// One panel's packed operands (see the layout above).
+struct Panel {
+  const uint8_t* levels;     // [in / 8, 64]
+  const uint16_t* scales;    // [in / 32, 16]
+  const uint16_t* minimums;  // [in / 32, 16]
+};
 
-// A group's 32 levels as four vectors of 8 floats: elements 0-7, 8-15, 16-23, 24-31.
-// Bytes 0-7 widened to 32-bit lanes hold elements 0-7 (low nibbles) and 16-23
-// (high); bytes 8-15, elements 8-15 and 24-31.
-inline void decode_levels(const uint8_t* bytes, __m256 levels[4]) {
-  const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  const __m256i second =
-      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
-  levels[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, nibble));
-  levels[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, nibble));
-  levels[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
-  levels[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
-}
-
-inline float half_to_float(uint16_t bits) { return _cvtsh_ss(bits); }
-
-// The sum of each group of 32 values of each row of x: [rows, groups].
-void group_sums(const float* x, int64_t rows, int64_t in, float* sums) {
-  const int64_t groups = in / kGroup;
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* values = x + t * in + g * kGroup;
-      __m256 sum = _mm256_add_ps(_mm256_loadu_ps(values), _mm256_loadu_ps(values + 8));
-      sum = _mm256_add_ps(sum, _mm256_loadu_ps(values + 16));
-      sum = _mm256_add_ps(sum, _mm256_loadu_ps(values + 24));
-      sums[t * groups + g] = horizontal_sum(sum);
-    }
-  }
-}
-
-// sum over groups g of minimum_g * sums[g]: 8 groups a vector, the rest one by one.
-inline float minimums_term(const uint16_t* row_minimums, const float* sums, int64_t groups) {
-  __m256 vector_part = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    const __m256 minimum = _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_minimums + g)));
-    vector_part = _mm256_fmadd_ps(minimum, _mm256_loadu_ps(sums + g), vector_part);
-  }
-  float term = horizontal_sum(vector_part);
-  for (; g < groups; ++g) {
-    term = std::fma(half_to_float(row_minimums[g]), sums[g], term);
-  }
-  return term;
-}
-
-// y[t, o] for R rows t of x (from x, their group sums from sums) and one output row o,
-// its levels decoded from the packed bytes as they are used. Even and odd groups
-// accumulate apart (two chains of FMAs in flight), added at the end.
-template <int R>
-void dot_rows(const float* x, const float* sums, int64_t in, const uint8_t* row_levels,
-              const uint16_t* row_scales, const uint16_t* row_minimums, float* y,
-              int64_t out) {
-  const int64_t groups = in / kGroup;
-  __m256 accumulated[2][R];
-  for (int r = 0; r < R; ++r) {
-    accumulated[0][r] = _mm256_setzero_ps();
-    accumulated[1][r] = _mm256_setzero_ps();
-  }
-  __m256 levels[4];
-  for (int64_t g = 0; g < groups; ++g) {
-    decode_levels(row_levels + g * (kGroup / 2), levels);
-    const __m256 scale = _mm256_set1_ps(half_to_float(row_scales[g]));
-    for (int r = 0; r < R; ++r) {
-      const float* values = x + r * in + g * kGroup;
-      __m256 dot = _mm256_mul_ps(levels[0], _mm256_loadu_ps(values));
-      dot = _mm256_fmadd_ps(levels[1], _mm256_loadu_ps(values + 8), dot);
-      dot = _mm256_fmadd_ps(levels[2], _mm256_loadu_ps(values + 16), dot);
-      dot = _mm256_fmadd_ps(levels[3], _mm256_loadu_ps(values + 24), dot);
-      accumulated[g & 1][r] = _mm256_fmadd_ps(scale, dot, accumulated[g & 1][r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const float scaled = horizontal_sum(_mm256_add_ps(accumulated[0][r], accumulated[1][r]));
-    y[r * out] = scaled + minimums_term(row_minimums, sums + r * groups, groups);
-  }
-}
-
-struct Operands {
-  const float* x;
-  const float* sums;
+struct PackedMatrix {
   const uint8_t* levels;
   const uint16_t* scales;
   const uint16_t* minimums;
-  float* y;
-  int64_t rows, in, out;
+  int64_t in;
+
+  Panel panel(int64_t index) const {
+    const int64_t groups = in / kGroup;
+    return {levels + index * (in / kBlock) * kBlockBytes, scales + index * groups * kPanel,
+            minimums + index * groups * kPanel};
+  }
 };
 
-// Output rows [begin, end), decoding each row's levels as it goes (few rows of x).
-void rows_decoding(const Operands& a, int64_t begin, int64_t end) {
-  const int64_t groups = a.in / kGroup;
-  for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row_levels = a.levels + o * (a.in / 2);
-    const uint16_t* row_scales = a.scales + o * groups;
-    const uint16_t* row_minimums = a.minimums + o * groups;
-    int64_t t = 0;
-    for (; t + kRowsAtOnce <= a.rows; t += kRowsAtOnce) {
-      dot_rows<kRowsAtOnce>(a.x + t * a.in, a.sums + t * groups, a.in, row_levels, row_scales,
-                            row_minimums, a.y + t * a.out + o, a.out);
+// A group's scales and minimums of the panel's 16 outputs, as fp32.
+struct GroupTables {
+  __m256 scale_low, scale_high, minimum_low, minimum_high;
+};
+
+inline GroupTables load_tables(const Panel& panel, int64_t group) {
+  const auto* scales = reinterpret_cast<const __m128i*>(panel.scales + group * kPanel);
+  const auto* minimums = reinterpret_cast<const __m128i*>(panel.minimums + group * kPanel);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(scales)), _mm256_cvtph_ps(_mm_loadu_si128(scales + 1)),
+          _mm256_cvtph_ps(_mm_loadu_si128(minimums)),
+          _mm256_cvtph_ps(_mm_loadu_si128(minimums + 1))};
+}
+
+// A block's levels of outputs 0-7 and 8-15, shifted right by 4 after each column.
+struct LevelBlock {
+  __m256i low, high;
+};
+
+inline LevelBlock load_block(const Panel& panel, int64_t block) {
+  const auto* vectors = reinterpret_cast<const __m256i*>(panel.levels + block * kBlockBytes);
+  return {_mm256_loadu_si256(vectors), _mm256_loadu_si256(vectors + 1)};
+}
+
+// The block's next column: its 16 weights fma(q, d, m).
+inline void next_column(LevelBlock& block, const GroupTables& tables, __m256& low, __m256& high) {
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(block.low, nibble)), tables.scale_low,
+                        tables.minimum_low);
+  high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(block.high, nibble)),
+                         tables.scale_high, tables.minimum_high);
+  block.low = _mm256_srli_epi32(block.low, 4);
+  block.high = _mm256_srli_epi32(block.high, 4);
+}
+
+// The sums of R rows of x for one panel: [row][outputs 0-7, 8-15], in registers.
+template <int R>
+struct Tile {
+  __m256 sums[R][2];
+
+  Tile() {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      sums[r][0] = sums[r][1] = _mm256_setzero_ps();
     }
-    for (; t < a.rows; ++t) {
-      dot_rows<1>(a.x + t * a.in, a.sums + t * groups, a.in, row_levels, row_scales,
-                  row_minimums, a.y + t * a.out + o, a.out);
+  }
+
+  // Column k of the R rows of x (a row every `in` floats) times its 16 weights.
+  inline void accumulate(const float* x, int64_t in, int64_t k, __m256 low, __m256 high) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 value = _mm256_broadcast_ss(x + r * in + k);
+      sums[r][0] = _mm256_fmadd_ps(value, low, sums[r][0]);
+      sums[r][1] = _mm256_fmadd_ps(value, high, sums[r][1]);
+    }
+  }
+
+  // The first `columns` outputs of each row into y (a row every `out` floats):
+  // the last panel may hold fewer than 16.
+  inline void store(float* y, int64_t out, int64_t columns) const {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      if (columns == kPanel) {
+        _mm256_storeu_ps(y + r * out, sums[r][0]);
+        _mm256_storeu_ps(y + r * out + 8, sums[r][1]);
+      } else {
+        alignas(32) float partial[kPanel];
+        _mm256_store_ps(partial, sums[r][0]);
+        _mm256_store_ps(partial + 8, sums[r][1]);
+        std::memcpy(y + r * out, partial, columns * sizeof(float));
+      }
+    }
+  }
+};
+
+// R rows of x times P adjacent panels, every column decoded as it is used (and, if
+// kStore, stored to `decoded` [in, 16]; P is then 1). The panels take turns by
+// blocks of 8 columns: each holds its levels and tables only while it decodes,
+// and the CPU overlaps the panels' chains of FMAs.
+template <int R, int P, bool kStore>
+void decoding_tiles(const float* x, int64_t in, const Panel* panels, float* decoded, float* y,
+                    int64_t out, int64_t columns_of_last) {
+  static_assert(!kStore || P == 1, "one panel at a time is stored");
+  Tile<R> tiles[P];
+  for (int64_t group = 0; group < in / kGroup; ++group) {
+    for (int64_t block = group * (kGroup / kBlock); block < (group + 1) * (kGroup / kBlock);
+         ++block) {
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const GroupTables tables = load_tables(panels[p], group);
+        LevelBlock levels = load_block(panels[p], block);
+#pragma GCC unroll 8
+        for (int j = 0; j < kBlock; ++j) {
+          const int64_t k = block * kBlock + j;
+          __m256 low, high;
+          next_column(levels, tables, low, high);
+          if constexpr (kStore) {
+            _mm256_store_ps(decoded + k * kPanel, low);
+            _mm256_store_ps(decoded + k * kPanel + 8, high);
+          }
+          tiles[p].accumulate(x, in, k, low, high);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) {
+    tiles[p].store(y + p * kPanel, out, p == P - 1 ? columns_of_last : kPanel);
+  }
+}
+
+// R rows of x times one panel whose weights are in `decoded` [in, 16].
+template <int R>
+void buffer_tile(const float* x, int64_t in, const float* decoded, float* y, int64_t out,
+                 int64_t columns) {
+  Tile<R> tile;
+  for (int64_t k = 0; k < in; ++k) {
+    tile.accumulate(x, in, k, _mm256_load_ps(decoded + k * kPanel),
+                    _mm256_load_ps(decoded + k * kPanel + 8));
+  }
+  tile.store(y, out, columns);
+}
+
+// Calls a template's instance for a number of rows known at run time, 1..R.
+template <int R, typename Run>
+void with_rows(int64_t rows, const Run& run) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      with_rows<R - 1>(rows, run);
+      return;
+    }
+  }
+  run(std::integral_constant<int, R>{});
+}
+
+int64_t columns_of(int64_t panel, int64_t out) { return std::min(kPanel, out - panel * kPanel); }
+
+// Panels [begin, end) for a call of up to kFewRows rows.
+template <int R>
+void few_rows(const float* x, const PackedMatrix& w, int64_t begin, int64_t end, float* y,
+              int64_t out) {
+  // A lone row's two chains a panel would wait on the FMAs' latency: two panels.
+  constexpr int P = R == 1 ? 2 : 1;
+  int64_t p = begin;
+  for (; p + P <= end; p += P) {
+    Panel panels[P];
+    for (int i = 0; i < P; ++i) {
+      panels[i] = w.panel(p + i);
+    }
+    decoding_tiles<R, P, false>(x, w.in, panels, nullptr, y + p * kPanel, out,
+                                columns_of(p + P - 1, out));
+  }
+  for (; p < end; ++p) {
+    const Panel panel = w.panel(p);
+    decoding_tiles<R, 1, false>(x, w.in, &panel, nullptr, y + p * kPanel, out, columns_of(p, out));
+  }
+}
+
+// Panels [begin, end) for a call of more than kFewRows rows, `decoded` [in, 16]
+// the thread's buffer.
+void many_rows(const float* x, int64_t rows, const PackedMatrix& w, int64_t begin, int64_t end,
+               float* decoded, float* y, int64_t out) {
+  const int64_t in = w.in;
+  const int64_t decoding_rows = std::min<int64_t>(kFewRows, rows - kFewestBufferRows);
+  // The other rows in tiles as even as kBufferRows allows (8 are 4 + 4, not 6 + 2).
+  const int64_t buffer_rows = rows - decoding_rows;
+  const int64_t num_tiles = (buffer_rows + kBufferRows - 1) / kBufferRows;
+  for (int64_t p = begin; p < end; ++p) {
+    const Panel panel = w.panel(p);
+    const int64_t columns = columns_of(p, out);
+    with_rows<kFewRows>(decoding_rows, [&](auto r) {
+      decoding_tiles<decltype(r)::value, 1, true>(x, in, &panel, decoded, y + p * kPanel, out,
+                                                  columns);
+    });
+    int64_t t = decoding_rows;
+    for (int64_t tile = 0; tile < num_tiles; ++tile) {
+      const int64_t size = (rows - t + (num_tiles - tile) - 1) / (num_tiles - tile);
+      with_rows<kBufferRows>(size, [&](auto r) {
+        buffer_tile<decltype(r)::value>(x + t * in, in, decoded, y + t * out + p * kPanel, out,
+                                        columns);
+      });
+      t += size;
     }
   }
 }
 
-// The matrix itself, fp32 [out, in]: levels * scale + minimum, rounded twice (a
-// product, then a sum) as the GGUF reader rounds them, so that a prefill through it
-// runs on the very weights the file holds.
-at::Tensor q4_1_dequantize(const at::Tensor& levels, const at::Tensor& scales,
-                           const at::Tensor& minimums) {
-  TORCH_CHECK(levels.dim() == 2 && levels.scalar_type() == at::kByte && levels.is_contiguous(),
-              "q4_1_dequantize: levels must be a contiguous 2-D uint8 tensor");
-  const int64_t out = levels.size(0);
-  const int64_t in = levels.size(1) * 2;
-  const int64_t groups = in / kGroup;
-  TORCH_CHECK(in % kGroup == 0, "q4_1_dequantize: ", in, " columns, not a multiple of 32");
+void check_packed(const char* op, const at::Tensor& levels, const at::Tensor& scales,
+                  const at::Tensor& minimums, int64_t out) {
+  TORCH_CHECK(levels.dim() == 3 && levels.scalar_type() == at::kByte && levels.is_contiguous() &&
+                  levels.size(2) == kBlockBytes,
+              op, ": levels must be a contiguous uint8 tensor [panels, in / 8, 64]");
+  const int64_t panels = levels.size(0);
+  const int64_t in = levels.size(1) * kBlock;
+  TORCH_CHECK(in % kGroup == 0, op, ": ", in, " columns, not a multiple of 32");
   for (const at::Tensor* table : {&scales, &minimums}) {
     TORCH_CHECK(table->scalar_type() == at::kHalf && table->is_contiguous() &&
-                    table->dim() == 2 && table->size(0) == out && table->size(1) == groups,
-                "q4_1_dequantize: scales and minimums must be contiguous fp16 [", out, ", ",
-                groups, "]");
+                    table->dim() == 3 && table->size(0) == panels &&
+                    table->size(1) == in / kGroup && table->size(2) == kPanel,
+                op, ": scales and minimums must be contiguous fp16 [", panels, ", ", in / kGroup,
+                ", 16]");
   }
-  at::Tensor weights = at::empty({out, in}, levels.options().dtype(at::kFloat));
-  const uint8_t* level_data = levels.data_ptr<uint8_t>();
-  const auto* scale_data = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const auto* minimum_data = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
-  float* weight_data = weights.data_ptr<float>();
-  at::parallel_for(0, out * groups, kOutputGrain * groups, [&](int64_t begin, int64_t end) {
-    __m256 decoded[4];
-    for (int64_t group = begin; group < end; ++group) {
-      decode_levels(level_data + group * (kGroup / 2), decoded);
-      const __m256 scale = _mm256_set1_ps(half_to_float(scale_data[group]));
-      const __m256 minimum = _mm256_set1_ps(half_to_float(minimum_data[group]));
-      for (int part = 0; part < 4; ++part) {
-        const __m256 weight = _mm256_add_ps(_mm256_mul_ps(decoded[part], scale), minimum);
-        _mm256_storeu_ps(weight_data + group * kGroup + 8 * part, weight);
-      }
-    }
-  });
-  return weights;
+  TORCH_CHECK(out > (panels - 1) * kPanel && out <= panels * kPanel, op, ": ", out,
+              " outputs do not fill ", panels, " panels of 16");
 }
 
 at::Tensor q4_1_linear(const at::Tensor& x_in, const at::Tensor& levels, const at::Tensor& scales,
-                       const at::Tensor& minimums) {
+                       const at::Tensor& minimums, int64_t out) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "q4_1_linear: x must be a 2-D fp32 CPU tensor, got ", x_in.sizes(), " ",
               x_in.scalar_type());
-  TORCH_CHECK(levels.dim() == 2 && levels.scalar_type() == at::kByte && levels.is_contiguous(),
-              "q4_1_linear: levels must be a contiguous 2-D uint8 tensor");
-  const int64_t out = levels.size(0);
-  const int64_t in = levels.size(1) * 2;
-  TORCH_CHECK(in % kGroup == 0, "q4_1_linear: ", in, " columns, not a multiple of 32");
+  check_packed("q4_1_linear", levels, scales, minimums, out);
+  const int64_t in = levels.size(1) * kBlock;
   TORCH_CHECK(x_in.size(1) == in, "q4_1_linear: x has ", x_in.size(1), " columns, W has ", in);
-  for (const at::Tensor* table : {&scales, &minimums}) {
-    TORCH_CHECK(table->scalar_type() == at::kHalf && table->is_contiguous() &&
-                    table->dim() == 2 && table->size(0) == out && table->size(1) == in / kGroup,
-                "q4_1_linear: scales and minimums must be contiguous fp16 [", out, ", ",
-                in / kGroup, "]");
-  }
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, out}, x.options());
-  if (rows == 0 || out == 0) {
+  if (rows == 0) {
     return y;
   }
-  at::Tensor sums = at::empty({rows, in / kGroup}, x.options());
-  group_sums(x.data_ptr<float>(), rows, in, sums.data_ptr<float>());
-  const Operands operands{
-      x.data_ptr<float>(),
-      sums.data_ptr<float>(),
-      levels.data_ptr<uint8_t>(),
-      reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-      reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>()),
-      y.data_ptr<float>(),
-      rows,
-      in,
-      out,
-  };
-  at::parallel_for(0, out, kOutputGrain, [&](int64_t begin, int64_t end) {
-    rows_decoding(operands, begin, end);
+  const PackedMatrix w{levels.data_ptr<uint8_t>(),
+                       reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                       reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>()), in};
+  const float* x_data = x.data_ptr<float>();
+  float* y_data = y.data_ptr<float>();
+  at::parallel_for(0, levels.size(0), 1, [&](int64_t begin, int64_t end) {
+    if (rows <= kFewRows) {
+      with_rows<kFewRows>(rows, [&](auto r) {
+        few_rows<decltype(r)::value>(x_data, w, begin, end, y_data, out);
+      });
+    } else {
+      // This task's buffer for one decoded panel (the allocator aligns it to 64 bytes).
+      at::Tensor decoded = at::empty({in * kPanel}, x.options());
+      many_rows(x_data, rows, w, begin, end, decoded.data_ptr<float>(), y_data, out);
+    }
   });
   return y;
 }
@@ -236,11 +328,9 @@ at::Tensor q4_1_linear(const at::Tensor& x_in, const at::Tensor& levels, const a
 }  // namespace
 
 TORCH_LIBRARY(orcapod, m) {
-  m.def("q4_1_linear(Tensor x, Tensor levels, Tensor scales, Tensor minimums) -> Tensor");
-  m.def("q4_1_dequantize(Tensor levels, Tensor scales, Tensor minimums) -> Tensor");
+  m.def(
+      "q4_1_linear(Tensor x, Tensor levels, Tensor scales, Tensor minimums, int out_features) -> "
+      "Tensor");
 }
 
-TORCH_LIBRARY_IMPL(orcapod, CPU, m) {
-  m.impl("q4_1_linear", &q4_1_linear);
-  m.impl("q4_1_dequantize", &q4_1_dequantize);
-}
+TORCH_LIBRARY_IMPL(orcapod, CPU, m) { m.impl("q4_1_linear", &q4_1_linear); }

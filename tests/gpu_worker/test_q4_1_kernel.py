@@ -1,8 +1,9 @@
 """The project's C++ Q4_1 kernel (``gpu_worker/csrc/q4_1_linear.cpp``) against a
 reference dequantize-then-matmul in float64: every shape SmolLM2 has, odd row
-counts, batches 1-8 and beyond its row blocking, both sides of the rows where
-the dense path takes over; the same bits for a row alone and inside any batch
-below it; what it refuses; and the op inside a compiled graph."""
+counts and output counts, both of the kernel's paths and each way it splits a
+call's rows between tiles; the same bits for a row alone and inside any batch,
+a 512-row prefill included; the packed layout as the kernel reads it; what it
+refuses; and the op inside a compiled graph."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from gpu_worker.q4_1_kernel import (
-    Q4_1_DENSE_FROM_ROWS,
+    PANEL_ROWS,
     Q41Matrix,
     Q41PackError,
     kernel_unavailable_reason,
@@ -33,7 +34,11 @@ def _kernel_loaded() -> None:
 
 # SmolLM2-135M's matrices [out, in]: qkv, o, gate_up, down; then odd ones.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (7, 64), (33, 32), (1, 96)]
-ROWS = [1, 2, 3, 4, 5, 7, 8, 17]
+# The kernel decodes into registers only up to 4 rows (kFewRows; a lone row two
+# panels at a time, which 1 and 3 panels leave odd), and from 5 rows has 2 to 4
+# rows decode into a buffer that tiles of 3 to 6 rows then read: 5 is 2 + 3, 6 is
+# 3 + 3, 7 is 4 + 3, 10 is 4 + 6, 11 is 4 + 4 + 3, 17 is 4 + 5 + 4 + 4.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 17, 64]
 
 
 def q4_1_weights(out: int, columns: int, seed: int = 0) -> torch.Tensor:
@@ -67,23 +72,38 @@ def test_the_kernel_is_exact_to_fp32_rounding_and_the_same_for_a_row_alone(out, 
         assert torch.equal(y, alone), rows
 
 
-@pytest.mark.parametrize("rows", [Q4_1_DENSE_FROM_ROWS - 1, Q4_1_DENSE_FROM_ROWS, 100])
-def test_both_sides_of_the_dense_threshold_multiply_the_files_weights(rows):
-    """Below the threshold the kernel; from it, the C++ dequantization (the very fp32
-    weights the grid holds, bit for bit) and torch's fp32 matmul on them."""
+def test_a_prefill_gets_each_rows_bits_alone() -> None:
+    """One arithmetic at every size: a 512-row prefill through the buffered path
+    gives each row exactly what a decode step of that row alone gives."""
     weight = q4_1_weights(960, 576, seed=3)
     matrix = Q41Matrix.pack(weight)
-    assert torch.equal(matrix.dequantized_by_kernel(), weight)
-    assert torch.equal(matrix.dequantized_by_kernel(), matrix.dequantized())
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(512, 576, generator=torch.Generator().manual_seed(4))
     y = matrix(x)
-    if rows >= Q4_1_DENSE_FROM_ROWS:
-        assert torch.equal(y, torch.nn.functional.linear(x, weight))
-    else:
-        alone = torch.cat([matrix(x[row : row + 1]) for row in range(rows)])
-        assert torch.equal(y, alone)
+    rows = [0, 1, 5, 255, 506, 511]
+    assert torch.equal(y[rows], torch.cat([matrix(x[row : row + 1]) for row in rows]))
+    assert torch.equal(y[100:104], matrix(x[100:104]))
     bound = 1e-6 * (x.double().abs() @ weight.double().abs().T)
     assert bool(((y.double() - x.double() @ weight.double().T).abs() <= bound).all())
+
+
+def test_the_packed_layout_is_the_one_the_kernel_reads() -> None:
+    """Panels of 16 outputs (the last padded with zeros), blocks of 8 columns, a
+    32-bit lane per output holding a block's levels, column j in bits 4j..4j+3;
+    scales and minimums per panel and group (csrc/q4_1_linear.cpp's layout)."""
+    weight = q4_1_weights(20, 64, seed=5)  # two panels, the second of 4 outputs
+    matrix = Q41Matrix.pack(weight)
+    assert matrix.levels.shape == (2, 8, 64) and matrix.scales.shape == (2, 2, PANEL_ROWS)
+    assert matrix.out_features == 20 and matrix.in_features == 64
+    lanes = matrix.levels.view(torch.int32).reshape(2, 8, 2, 8)  # little-endian lanes
+    output, column = 17, 45  # panel 1, lane 1 of outputs 0-7; block 5, column 5; group 1
+    level = (int(lanes[1, 5, 0, 1]) >> (4 * 5)) & 0x0F
+    scale, minimum = float(matrix.scales[1, 1, 1]), float(matrix.minimums[1, 1, 1])
+    assert weight[output, column] == torch.tensor(level * scale + minimum, dtype=torch.float32)
+    # Outputs 20-31 are padding: lanes 4-7 of the second panel's outputs 0-7, all of 8-15.
+    padding = torch.cat((lanes[1, :, 0, 4:].flatten(), lanes[1, :, 1].flatten()))
+    assert not bool(padding.any() or matrix.scales[1, :, 4:].any())
+    assert not bool(matrix.minimums[1, :, 4:].any())
+    assert torch.equal(matrix.dequantized(), weight)
 
 
 def test_a_non_contiguous_input_and_numeric_edges() -> None:
@@ -120,13 +140,17 @@ def test_the_op_refuses_bad_inputs_with_a_message() -> None:
         matrix(torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="2-D fp32"):
         matrix(torch.randn(64))
+    levels, scales, minimums = matrix.levels, matrix.scales, matrix.minimums
     with pytest.raises(RuntimeError, match="contiguous fp16"):
-        op(torch.randn(1, 64), matrix.levels, matrix.scales.float(), matrix.minimums)
+        op(torch.randn(1, 64), levels, scales.float(), minimums, 16)
+    with pytest.raises(RuntimeError, match="contiguous fp16"):
+        op(torch.randn(1, 64), levels, scales, minimums[:, :1], 16)
     with pytest.raises(RuntimeError, match="not a multiple of 32"):
-        levels = torch.zeros(4, 24, dtype=torch.uint8)  # 48 columns
-        op(torch.randn(1, 48), levels, matrix.scales, matrix.minimums)
-    with pytest.raises(RuntimeError, match="contiguous fp16"):
-        torch.ops.orcapod.q4_1_dequantize(matrix.levels, matrix.scales[:, :1], matrix.minimums)
+        op(torch.randn(1, 48), torch.zeros(1, 6, 64, dtype=torch.uint8), scales, minimums, 16)
+    with pytest.raises(RuntimeError, match=r"levels must be a contiguous uint8 tensor \[panels"):
+        op(torch.randn(1, 64), levels.reshape(1, -1), scales, minimums, 16)
+    with pytest.raises(RuntimeError, match="17 outputs do not fill 1 panels of 16"):
+        op(torch.randn(1, 64), levels, scales, minimums, 17)
 
 
 def test_matrices_off_the_grid_are_not_packed() -> None:
