@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Host and port only: the URL may hold a password.
     redis_address = urlsplit(settings.redis.url)
     logger.info(
-        "starting gateway",
+        "gateway_starting",
         redis=f"{redis_address.hostname}:{redis_address.port}",
     )
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.refusal import RefusalReason
 from gateway.tenants import Tenant, TokenReservation
 from shared.messages import (
     CancelRequest,
@@ -23,10 +24,17 @@ ServerFrame = Accepted | Token | Done | Error
 
 @dataclass(frozen=True)
 class SendFrame:
-    """Send ``frame`` on socket ``socket_id`` (dropped if it has closed meanwhile)."""
+    """Send ``frame`` on socket ``socket_id`` (dropped if it has closed meanwhile).
+
+    An ``error`` frame's refusal comes with what its message says in prose,
+    as data (``gateway/refusal.py``): a websocket sends the frame alone, an
+    OpenAI response answers with them."""
 
     socket_id: int
     frame: ServerFrame
+    # The request field at fault (OpenAI's ``param``).
+    param: str | None = None
+    reason: RefusalReason | None = None
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gateway.refusal import Refused
 from gateway.request_table import RequestTable
 from gateway.tenants import Tenant, TokenReservation
 from shared.messages import TenantLimits
-from shared.protocol import ErrorCode, Generate
+from shared.protocol import Generate
 
 SHUTTING_DOWN_MESSAGE = "gateway is shutting down, reconnect elsewhere"
 
@@ -39,13 +40,8 @@ class AdmissionLimits:
     default_max_queued: int | None = 256
 
 
-class AdmissionRefused(Exception):
-    """A request the gateway does not take on; ``code`` is the protocol error code."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code: ErrorCode = code
-        self.message = message
+class AdmissionRefused(Refused):
+    """A request the gateway does not take on (``gateway/refusal.py``)."""
 
 
 class Admission:
@@ -62,7 +58,8 @@ class Admission:
         checks (``check_capacity``), so a request that can never succeed is
         not told to retry later."""
         if self.draining:
-            raise AdmissionRefused("queue_full", SHUTTING_DOWN_MESSAGE)
+            # The one place draining refuses a request, on either protocol.
+            raise AdmissionRefused("queue_full", SHUTTING_DOWN_MESSAGE, reason="shutting_down")
         if table.request_on(socket_id, generate.id) is not None:
             raise AdmissionRefused(
                 "invalid_request",
@@ -80,6 +77,7 @@ class Admission:
                 raise AdmissionRefused(
                     "invalid_request",
                     f"{name} {value} is over tenant {tenant.name!r}'s max_tokens limit of {cap}",
+                    param=name,
                 )
 
     def check_tokens_per_minute(self, tenant: Tenant, min_num_tokens: int) -> None:
@@ -91,6 +89,7 @@ class Admission:
                 "invalid_request",
                 f"prompt plus max_tokens is at least {min_num_tokens} tokens, more than "
                 f"tenant {tenant.name!r}'s tokens-per-minute limit of {tenant.tokens_per_minute}",
+                param="prompt",
             )
 
     def check_capacity(self, table: RequestTable, socket_id: int) -> None:
@@ -128,6 +127,7 @@ class Admission:
                 "invalid_request",
                 f"prompt plus max_tokens is {num_tokens} tokens, more than tenant "
                 f"{tenant.name!r}'s tokens-per-minute limit of {tenant.tokens_per_minute}",
+                param="prompt",
             )
         return TokenReservation(
             tenant=tenant.name, num_tokens=num_tokens, tokens_per_minute=tenant.tokens_per_minute

@@ -4,6 +4,7 @@ stream's events (``token``, ``done``) and ``error`` frames. Pure."""
 from __future__ import annotations
 
 from gateway.actions import Action, SendFrame, ServerFrame
+from gateway.refusal import Refused
 from gateway.request_stream import Completion, EmittedToken, StreamEvent
 from shared.protocol import Done, Error, ErrorCode, Token
 
@@ -27,6 +28,12 @@ def error_frames(
 ) -> list[Action]:
     """One ``error`` frame (``client_id``: the request it ends, if any)."""
     return [SendFrame(socket_id, Error(code=code, message=message, id=client_id))]
+
+
+def refusal_frames(socket_id: int, refused: Refused, client_id: str | None) -> list[Action]:
+    """The ``error`` frame of a refused request, with its refusal's data."""
+    frame = Error(code=refused.code, message=refused.message, id=client_id)
+    return [SendFrame(socket_id, frame, param=refused.param, reason=refused.reason)]
 
 
 def done_frame(client_id: str, completion: Completion) -> Done:

@@ -70,11 +70,11 @@ class ConnectionGuard:
         if reason is CloseReason.MAX_CONNECTIONS_PER_ADDRESS:
             fields["address"] = address
         if reason in REFUSALS:
-            logger.warning("connections refused", **fields)
+            logger.warning("connections_refused", **fields)
         elif reason is CloseReason.IDLE_TIMEOUT:
-            logger.debug("connections closed", **fields)  # a keep-alive client's routine
+            logger.debug("connections_closed", **fields)  # a keep-alive client's routine
         else:
-            logger.info("connections closed", **fields)
+            logger.info("connections_closed", **fields)
 
 
 class GuardedRequestHandler(RequestHandler):
@@ -261,7 +261,7 @@ def _warn_over_file_limit(max_connections: int) -> None:
         not max_connections or max_connections >= soft_limit
     ):
         logger.warning(
-            "max_connections is not below the open-file limit (ulimit -n)",
+            "max_connections_over_open_file_limit",
             max_connections=max_connections,
             open_file_limit=soft_limit,
         )

@@ -20,8 +20,8 @@ from aiohttp.typedefs import Handler, Middleware
 from websockets.datastructures import Headers
 
 from gateway.handshake import HandshakeRefused, check_host, single_header
-from gateway.openai_api import OpenAIError
 from gateway.openai_endpoint import API_PREFIX, error_response
+from gateway.openai_errors import OpenAIError
 
 
 def own_names(bound_host: str) -> tuple[str, ...]:

@@ -68,7 +68,7 @@ class LiveFeed:
         try:
             raw: bytes | None = await self._redis.get(self._key)  # type: ignore[assignment]
         except (RedisError, OSError) as error:
-            logger.warning("cannot read the live view", error=str(error))
+            logger.warning("live_view_unreadable", error=str(error))
             raw = None
         if raw is not None and raw == self._raw:
             return
@@ -77,7 +77,7 @@ class LiveFeed:
             try:
                 snapshot = decode_snapshot(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                logger.warning("undecodable live view", error=str(error))
+                logger.warning("undecodable_live_view", error=str(error))
         if snapshot is None and self.latest is None and self.version > 0:
             return  # still nothing to show: nothing new to say
         self._raw = raw

@@ -79,7 +79,7 @@ class LogReader:
         try:
             log = await read_request_log(self._redis, self._keys, action.request_id)
         except (RedisError, OSError) as error:
-            logger.warning("could not read a request log", error=str(error))
+            logger.warning("request_log_unreadable", request_id=action.request_id, error=str(error))
             frame = Error(code="internal", message=UNREADABLE_LOG_MESSAGE, id=action.resume.id)
             await self._apply([SendFrame(action.socket_id, frame)])
             return
@@ -106,7 +106,7 @@ class LogReader:
             try:
                 reply = await self._read_followed()
             except (RedisError, OSError) as error:
-                logger.warning("request logs unreachable", error=str(error))
+                logger.warning("followed_logs_unreadable", error=str(error))
                 await sleep_unless_set(stop, reconnect_backoff_s(failures))
                 failures += 1
                 continue
@@ -131,7 +131,7 @@ class LogReader:
             try:
                 logs = await read_request_logs(self._redis, self._keys, pending)
             except (RedisError, OSError) as error:
-                logger.warning("could not read the request logs", error=str(error))
+                logger.warning("logs_catch_up_failed", num_requests=len(pending), error=str(error))
                 await sleep_unless_set(stop, reconnect_backoff_s(failures))
                 failures += 1
                 continue

@@ -116,24 +116,22 @@ class GatewayMetrics:
     def socket_opened(self) -> None:
         self._open_sockets.inc()
 
-    def socket_closed(self, socket_id: int) -> None:
+    def socket_closed(self) -> None:
         self._open_sockets.dec()
-        self.connection_closed(socket_id)
 
     def http_request_started(self) -> None:
         self._http_in_flight.inc()
 
-    def http_request_ended(self, socket_id: int | None, aborted: bool) -> None:
+    def http_request_ended(self, aborted: bool) -> None:
         """An OpenAI request's handler is done; ``aborted``: its client went away
         before the end (the request was cancelled, and no frame says so)."""
         self._http_in_flight.dec()
         if aborted:
             self._success.labels(self._gateway_id, "abort").inc()
-        if socket_id is not None:
-            self.connection_closed(socket_id)
 
     def connection_closed(self, socket_id: int) -> None:
-        """Forget what was kept for the requests of a closed connection."""
+        """Forget what was kept for the requests of a closed connection (a
+        websocket, or an OpenAI request's virtual socket)."""
         self._last_token_s.pop(socket_id, None)
 
     def _ended(self, socket_id: int, client_id: str) -> None:

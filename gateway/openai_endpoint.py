@@ -1,16 +1,14 @@
 """The OpenAI-compatible HTTP API of a gateway: ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``.
 
-A thin shell. Each request is one virtual socket of the same
-:class:`gateway.session.GatewaySession` that serves the websockets, so keys,
-tenants, quotas, fairness, limits and durability are decided in one place:
-the body becomes a ``generate`` (``gateway/openai_api.py``), the core admits
-and answers it with frames, and :class:`Exchange` turns those frames into
-the response, JSON or server-sent events through a bounded
-:class:`gateway.outbox.Outbox`. A client that goes away (aiohttp cancels its
-handler) cancels its request at once: HTTP has no ``resume``. Every error
-response it sends is counted in the gateway's metrics, once: the core's
-refusals as the frames they came in, the rest here.
+A thin shell: the body is parsed (``gateway/openai_api.py``), then the
+request goes to the gateway through one call, ``open_exchange``: a virtual
+socket of the session that serves the websockets, whose frames make the
+response (``gateway/openai_exchange.py``). A client that goes away (aiohttp
+cancels its handler) cancels its request at once: HTTP has no ``resume``.
+Every error response it sends is counted once (``count_error``): the core's
+refusals as the frames they came in, the rest here. See
+``docs/architecture.md`` (*The OpenAI API*).
 """
 
 from __future__ import annotations
@@ -19,30 +17,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from http import HTTPStatus
-from typing import Protocol
 
 import structlog
 from aiohttp import web
 
-from gateway.actions import Action, ServerFrame
 from gateway.handshake import Admitted, HandshakeRefused
-from gateway.metrics import GatewayMetrics
-from gateway.openai_api import (
-    OpenAIError,
-    ParsedRequest,
-    Reply,
-    error_of_frame,
-    model_body,
-    model_not_found,
-    models_body,
-    parse_chat,
-    parse_completion,
-    unauthorized,
-)
-from gateway.outbox import Outbox
-from gateway.session import GatewaySession
-from shared.protocol import Accepted, Done, Error, Token
+from gateway.openai_api import parse_chat, parse_completion
+from gateway.openai_errors import OpenAIError, model_not_found, unauthorized
+from gateway.openai_exchange import Exchange
+from gateway.openai_reply import model_body, models_body
+from gateway.openai_types import ParsedRequest
 
 logger = structlog.get_logger(__name__)
 
@@ -60,118 +46,12 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 
-
-class ExchangeHost(Protocol):
-    """What the endpoint needs of the gateway's shell."""
-
-    @property
-    def session(self) -> GatewaySession: ...
-
-    @property
-    def draining(self) -> bool: ...
-
-    @property
-    def metrics(self) -> GatewayMetrics: ...
-
-    def admit(self, request: web.Request) -> Admitted:
-        """Who the request is (raises HandshakeRefused: 401, 403)."""
-        ...
-
-    def open_exchange(self, admitted: Admitted, exchange: Exchange) -> int:
-        """A virtual socket for one request; its frames go to ``exchange``."""
-        ...
-
-    async def close_exchange(self, socket_id: int) -> None:
-        """The request's response is over (or its client gone): cancel what still runs."""
-        ...
-
-    async def apply(self, actions: list[Action]) -> None: ...
-
-
-class Exchange:
-    """One OpenAI request's frames, turned into its response as they come.
-
-    Until the first token (or the end) nothing is answered, so a refusal
-    (a bad prompt, a full queue) is a plain HTTP error with its status; after
-    it, a stream's error is an ``error`` event. ``num_prompt_tokens_of`` gives
-    an accepted request's prompt length; ``count_error`` counts an error that
-    came in no frame (:meth:`end_with`).
-    """
-
-    def __init__(
-        self,
-        parsed: ParsedRequest,
-        served_model: str,
-        max_outbox_bytes: int,
-        num_prompt_tokens_of: Callable[[str], int],
-        count_error: Callable[[OpenAIError], None],
-    ) -> None:
-        self.parsed = parsed
-        self._served_model = served_model
-        self._num_prompt_tokens_of = num_prompt_tokens_of
-        self._count_error = count_error
-        self.outbox = Outbox(max_outbox_bytes)
-        self._reply: Reply | None = None
-        # Set on the first token, the end or an error: the response can begin.
-        self.started = asyncio.Event()
-        # Set at the end (a non-streaming body, or an error).
-        self.finished = asyncio.Event()
-        self.refusal: OpenAIError | None = None
-        self.body: bytes | None = None
-
-    def put(self, frame: ServerFrame) -> bool:
-        """A frame the core sent; False when the outbox went over its cap."""
-        if isinstance(frame, Accepted):
-            num_prompt_tokens = self._num_prompt_tokens_of(frame.request_id)
-            self._reply = Reply(
-                self.parsed,
-                self._served_model,
-                frame.request_id,
-                num_prompt_tokens=num_prompt_tokens,
-            )
-            return True
-        if self.finished.is_set():
-            return True
-        if isinstance(frame, Error):
-            return self._error(error_of_frame(frame))
-        if self._reply is None:  # never before `accepted`; named all the same
-            self._reply = Reply(self.parsed, self._served_model, "unaccepted", num_prompt_tokens=0)
-        reply = self._reply
-        if isinstance(frame, Token):
-            # `seq` counts the request's tokens from 0.
-            data = reply.token(frame.text, frame.seq + 1)
-            if self.parsed.stream and not self.started.is_set():
-                data = reply.head() + data
-        else:
-            assert isinstance(frame, Done)
-            data = reply.done(frame)
-            if not self.parsed.stream:
-                self.body = data
-                data = b""
-            self.finished.set()
-        self.started.set()
-        fits = not data or self.outbox.put(data)
-        if self.finished.is_set():
-            self.outbox.close()
-        return fits
-
-    def end_with(self, error: OpenAIError) -> None:
-        """End the response now with ``error`` (once streaming: an error event,
-        then ``[DONE]``); what the core sends later is dropped."""
-        if not self.finished.is_set():
-            self._count_error(error)
-            self._error(error)
-
-    def _error(self, error: OpenAIError) -> bool:
-        fits = True
-        if self.parsed.stream and self.started.is_set() and self._reply is not None:
-            fits = self.outbox.put(self._reply.stream_error(error))
-        else:
-            self.refusal = error
-        self.started.set()
-        self.finished.set()
-        self.outbox.close()
-        return fits
+# Who a request is (raises HandshakeRefused: 400, 401, 403).
+Admit = Callable[[web.Request], Admitted]
+# The request's virtual socket, open while the response is made: its
+# `generate` checked and admitted as a frame's, its frames into the exchange;
+# on exit, what still runs is cancelled.
+OpenExchange = Callable[[Admitted, Exchange], AbstractAsyncContextManager[object]]
 
 
 class OpenAIEndpoint:
@@ -179,19 +59,27 @@ class OpenAIEndpoint:
 
     def __init__(
         self,
-        host: ExchangeHost,
+        *,
+        admit: Admit,
+        open_exchange: OpenExchange,
         served_model: str,
         context_tokens: int,
         max_body_bytes: int,
         max_outbox_bytes: int,
+        count_error: Callable[[str], None],
         on_started: Callable[[], None],
-        on_ended: Callable[[int | None, bool], None],
+        on_ended: Callable[[bool], None],
     ) -> None:
-        self._host = host
+        """``count_error`` counts an error response by its metric code;
+        ``on_started`` and ``on_ended`` (aborted: its client left before the
+        end) frame each generating request."""
+        self._admit_request = admit
+        self._open_exchange = open_exchange
         self.served_model = served_model
         self._context_tokens = context_tokens
         self._max_body_bytes = max_body_bytes
         self._max_outbox_bytes = max_outbox_bytes
+        self._count_error_code = count_error
         self._on_started = on_started
         self._on_ended = on_ended
         self._created = int(time.time())
@@ -233,40 +121,34 @@ class OpenAIEndpoint:
         self, request: web.Request, parse: Callable[[bytes, str], ParsedRequest]
     ) -> web.StreamResponse:
         self._on_started()
-        socket_id: int | None = None
         exchange: Exchange | None = None
         try:
             admitted = self._admit(request)
-            if self._host.draining:
-                raise shutting_down()
             require_json(request)
             parsed = parse(await self._read_body(request), self.served_model)
             exchange = Exchange(
-                parsed,
-                self.served_model,
-                self._max_outbox_bytes,
-                self._num_prompt_tokens,
-                self._count_error,
+                parsed, self.served_model, self._max_outbox_bytes, self._count_error
             )
-            socket_id = self._host.open_exchange(admitted, exchange)
-            await self._host.apply(self._host.session.on_generate(socket_id, parsed.generate))
-            await exchange.started.wait()
-            if not parsed.stream:
-                await exchange.finished.wait()
-            if exchange.refusal is not None:
-                # Counted as the frame it came in (or by `end_with`).
-                return error_response(exchange.refusal)
-            if not parsed.stream:
-                assert exchange.body is not None
-                return web.Response(body=exchange.body, content_type="application/json")
-            return await self._stream(request, exchange)
+            async with self._open_exchange(admitted, exchange):
+                return await self._respond(request, exchange)
         except OpenAIError as error:
             return self._refuse(error)
         finally:
-            if socket_id is not None:
-                await self._host.close_exchange(socket_id)
             # A request its client left before the end was aborted (and cancelled).
-            self._on_ended(socket_id, exchange is not None and not exchange.finished.is_set())
+            self._on_ended(exchange is not None and not exchange.finished.is_set())
+
+    async def _respond(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
+        """The response, once the exchange can begin it."""
+        await exchange.started.wait()
+        if not exchange.parsed.stream:
+            await exchange.finished.wait()
+        if exchange.refusal is not None:
+            # Counted as the frame it came in (or by `end_with`).
+            return error_response(exchange.refusal)
+        if not exchange.parsed.stream:
+            assert exchange.body is not None
+            return web.Response(body=exchange.body, content_type="application/json")
+        return await self._stream(request, exchange)
 
     async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         response = web.StreamResponse(status=HTTPStatus.OK, headers=SSE_HEADERS)
@@ -274,7 +156,7 @@ class OpenAIEndpoint:
 
         async def abort() -> None:
             # A client that stopped reading: nothing it has not read is kept.
-            logger.warning("SSE client too slow, closing", max_bytes=self._max_outbox_bytes)
+            logger.warning("sse_client_too_slow", max_bytes=self._max_outbox_bytes)
             if request.transport is not None:
                 request.transport.abort()
 
@@ -307,17 +189,11 @@ class OpenAIEndpoint:
         return error_response(error)
 
     def _count_error(self, error: OpenAIError) -> None:
-        self._host.metrics.count_error(error.metric_code)
-
-    def _num_prompt_tokens(self, request_id: str) -> int:
-        # The session adds a request's stream before it sends its `accepted`.
-        stream = self._host.session.stream(request_id)
-        assert stream is not None, request_id
-        return stream.num_prompt_tokens
+        self._count_error_code(error.metric_code)
 
     def _admit(self, request: web.Request) -> Admitted:
         try:
-            return self._host.admit(request)
+            return self._admit_request(request)
         except HandshakeRefused as refused:
             message = refused.body.strip()
             if refused.status == HTTPStatus.UNAUTHORIZED:
@@ -333,16 +209,6 @@ class OpenAIEndpoint:
             return await request.read()
         except web.HTTPRequestEntityTooLarge as error:
             raise _too_large(self._max_body_bytes) from error
-
-
-def shutting_down() -> OpenAIError:
-    """The gateway is draining: a new request is refused, one still running ends."""
-    return OpenAIError(
-        HTTPStatus.SERVICE_UNAVAILABLE,
-        "the gateway is shutting down; try another one",
-        type="server_error",
-        code="service_unavailable",
-    )
 
 
 def require_json(request: web.Request) -> None:

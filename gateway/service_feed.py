@@ -57,7 +57,7 @@ class ServiceFeed:
         try:
             message = decode_gateway_message(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            logger.warning("undecodable gateway message", source=source, error=str(error))
+            logger.warning("undecodable_gateway_message", source=source, error=str(error))
             return [DeadLetter(source=source, error=str(error), data=data)]
         if isinstance(message, RequestRejected):
             return self._rejected(message)
@@ -70,7 +70,7 @@ class ServiceFeed:
         bad = [t for t in batch.tokens if not 0 <= t.token_id < self._vocab_size]
         if bad:
             reason = f"token id {bad[0].token_id} is outside the vocabulary"
-            logger.warning("malformed token batch", source=source, error=reason)
+            logger.warning("malformed_token_batch", source=source, error=reason)
             return [DeadLetter(source=source, error=reason, data=data or encode(batch))]
         return self._tokens(batch)
 
@@ -98,7 +98,7 @@ class ServiceFeed:
         if stream is None or stream.finished:
             return []
         logger.info(
-            "request rejected by the scheduler",
+            "request_rejected",
             request_id=rejected.request_id,
             code=rejected.code,
         )

@@ -28,13 +28,9 @@ from gateway.actions import (
     Tokenize,
     Wait,
 )
-from gateway.admission import (
-    SHUTTING_DOWN_MESSAGE,
-    Admission,
-    AdmissionLimits,
-    AdmissionRefused,
-)
-from gateway.frames import error_frames, stream_frames
+from gateway.admission import SHUTTING_DOWN_MESSAGE, Admission, AdmissionLimits, AdmissionRefused
+from gateway.frames import error_frames, refusal_frames, stream_frames
+from gateway.refusal import Refused
 from gateway.refusal_pacer import RefusalPacer
 from gateway.request_stream import RequestStream
 from gateway.request_table import PendingRequest, RequestTable, Route
@@ -43,7 +39,6 @@ from gateway.tenants import OPEN_TENANT_NAME, Tenant
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import (
     ModelLimits,
-    RequestValidationError,
     ValidatedRequest,
     check_generate,
     min_request_tokens,
@@ -185,10 +180,10 @@ class GatewaySession:
             for stream in streams:
                 self.table.detach_later(stream.request_id, deadline_s)
             if streams:
-                logger.info("socket closed, requests wait for a resume", num_requests=len(streams))
+                logger.info("requests_detached", num_requests=len(streams))
             return []
         if streams:
-            logger.info("socket closed, requests cancelled", num_requests=len(streams))
+            logger.info("requests_cancelled_on_close", num_requests=len(streams))
         actions: list[Action] = []
         for stream in streams:
             stream.cancel(now_s)
@@ -206,7 +201,7 @@ class GatewaySession:
         for stream in self.table.due_detached(now_s):
             # Another gateway may have taken it over: the scheduler, which
             # knows, decides; a later resume (anywhere) reads the log.
-            logger.info("request not resumed here in time", request_id=stream.request_id)
+            logger.info("request_not_resumed", request_id=stream.request_id)
             self.table.forget(stream)
             cancel = CancelRequest(request_id=stream.request_id, gateway_id=self.config.gateway_id)
             actions.append(PostUpstream(cancel))
@@ -217,7 +212,7 @@ class GatewaySession:
 
     def _stalled(self, stream: RequestStream, now_s: float) -> list[Action]:
         logger.warning(
-            "request made no progress",
+            "request_stalled",
             request_id=stream.request_id,
             stall_timeout_s=self.config.stall_timeout_s,
         )
@@ -272,11 +267,9 @@ class GatewaySession:
             )
             self._admission.check_tokens_per_minute(tenant, min_num_tokens)
             self._admission.check_capacity(self.table, socket_id)
-        except (AdmissionRefused, RequestValidationError) as refused:
+        except Refused as refused:
             return self._paced(
-                tenant,
-                num_prompt_chars(generate),
-                error_frames(socket_id, refused.code, refused.message, generate.id),
+                tenant, num_prompt_chars(generate), refusal_frames(socket_id, refused, generate.id)
             )
         request_id = self._new_request_id()
         self.table.reserve(PendingRequest(request_id, tenant, Route(socket_id, generate.id)))
@@ -306,7 +299,7 @@ class GatewaySession:
                 tenant, num_prompt_tokens + validated.sampling.max_tokens
             )
         except AdmissionRefused as refused:
-            return error_frames(socket_id, refused.code, refused.message, client_id)
+            return refusal_frames(socket_id, refused, client_id)
         submit = SubmitRequest(
             request_id=request_id,
             gateway_id=self.config.gateway_id,
@@ -331,7 +324,7 @@ class GatewaySession:
         ]
 
     def on_tokenize_failed(
-        self, request_id: str, code: ErrorCode, message: str, num_chars: int = 0
+        self, request_id: str, refused: Refused, num_chars: int = 0
     ) -> list[Action]:
         """The prompt of pending ``request_id`` (``num_chars`` characters) was
         refused (too long, a bad template) or could not be tokenized now
@@ -339,8 +332,10 @@ class GatewaySession:
         pending = self.table.take_pending(request_id)
         if pending is None:
             return []
-        frames = error_frames(pending.route.socket_id, code, message, pending.route.client_id)
-        return frames if code == "internal" else self._paced(pending.tenant, num_chars, frames)
+        frames = refusal_frames(pending.route.socket_id, refused, pending.route.client_id)
+        if refused.code == "internal":
+            return frames
+        return self._paced(pending.tenant, num_chars, frames)
 
     def _paced(self, tenant: Tenant, num_chars: int, refusal: list[Action]) -> list[Action]:
         """``refusal`` held back while the tenant's earlier refusals are paid for."""
@@ -422,9 +417,9 @@ class GatewaySession:
                 # The tenant already holds it: only the socket's cap applies.
                 self._admission.check_socket_room(self.table, socket_id)
             except AdmissionRefused as refused:
-                return error_frames(socket_id, refused.code, refused.message, client_id)
+                return refusal_frames(socket_id, refused, client_id)
         self.table.attach(stream, Route(socket_id, client_id))
-        logger.info("request resumed", request_id=stream.request_id)
+        logger.info("request_resumed", request_id=stream.request_id)
         return None
 
     def _not_resumable(self, socket_id: int, resume: Resume) -> list[Action]:
@@ -474,13 +469,13 @@ class GatewaySession:
                 self._admission.check_socket_room(self.table, socket_id)
                 self._admission.check_tenant_room(self.table, tenant)
             except AdmissionRefused as refused:
-                return error_frames(socket_id, refused.code, refused.message, resume.id)
+                return refusal_frames(socket_id, refused, resume.id)
         now_s = self._clock()
         stream = self._stream_of_log(log, now_s)
         if log.ended_after is not None and not stream.finished:
             stream.cancel(now_s)
         self.table.add(stream, None)
-        logger.info("request taken over from its log", request_id=stream.request_id)
+        logger.info("request_taken_over", request_id=stream.request_id)
         actions = self._resume(socket_id, resume)
         route = self.table.route(stream.request_id)
         if not stream.finished and route is not None and route.socket_id == socket_id:

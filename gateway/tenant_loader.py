@@ -58,7 +58,7 @@ class TenantLoader:
         self._redis_table = await self._read_redis()
         self._merge()
         logger.info(
-            "tenants loaded",
+            "tenants_loaded",
             num_keys=self.table.num_keys,
             file=str(self._file) if self._file else None,
         )
@@ -72,14 +72,13 @@ class TenantLoader:
         try:
             self._redis_table = await self._read_redis()
         except (RedisError, OSError) as error:
-            logger.warning(
-                "cannot read the tenants hash; keeping the keys it had", error=str(error)
-            )
+            # The keys it had are kept.
+            logger.warning("tenants_hash_unreadable", error=str(error))
         previous = self.table
         self._merge()
         changed = self.table != previous
         if changed:
-            logger.info("tenants reloaded", num_keys=self.table.num_keys)
+            logger.info("tenants_reloaded", num_keys=self.table.num_keys)
         return changed
 
     def _reload_file(self, force: bool) -> None:
@@ -90,7 +89,7 @@ class TenantLoader:
         except OSError as error:
             if not self._file_missing:
                 logger.error(
-                    "cannot read the tenants file; keeping its previous keys",
+                    "tenants_file_unreadable",  # its previous keys are kept
                     file=str(self._file),
                     error=str(error),
                 )
@@ -104,7 +103,7 @@ class TenantLoader:
             self._file_table = _read_file(self._file)
         except (TenantConfigError, OSError) as error:
             logger.error(
-                "broken tenants file; keeping its previous keys",
+                "tenants_file_broken",  # its previous keys are kept
                 file=str(self._file),
                 error=str(error),
             )
@@ -116,16 +115,12 @@ class TenantLoader:
         for raw_field, data in entries.items():
             field = raw_field.decode("utf-8", "replace")
             if not _KEY_HASH.match(field):
-                logger.error(
-                    "tenants hash: field is not a sha256 hex digest; skipped", field=field[:80]
-                )
+                logger.error("tenants_hash_field_skipped", field=field[:80], reason="not a sha256")
                 continue
             try:
                 by_hash[field] = decode_tenant_record(data)
             except TenantConfigError as error:
-                logger.error(
-                    "tenants hash: bad record; skipped", key_sha256=field, error=str(error)
-                )
+                logger.error("tenants_hash_record_skipped", key_sha256=field, error=str(error))
         return TenantTable(by_hash)
 
     def _merge(self) -> None:

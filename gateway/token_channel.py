@@ -60,7 +60,7 @@ class TokenChannel:
                     # A fresh subscription on a fresh connection: redis-py's own
                     # reconnect of a broken pub/sub connection can keep failing
                     # long after Redis is back.
-                    logger.warning("tokens channel unreachable", error=str(error))
+                    logger.warning("tokens_channel_unreachable", error=str(error))
                     with contextlib.suppress(RedisError, OSError):
                         await pubsub.aclose()
                     pubsub = self._redis.pubsub()
@@ -72,7 +72,7 @@ class TokenChannel:
                 if message is None:
                     continue
                 if message["type"] == "subscribe":
-                    logger.info("subscribed", channel=self.channel)
+                    logger.info("tokens_channel_subscribed", channel=self.channel)
                     if self.subscribed.is_set():
                         await self._on_resubscribed()
                     self.subscribed.set()

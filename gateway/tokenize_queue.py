@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from gateway.refusal import Refused
+
 T = TypeVar("T")
 
 # What one job costs beside its characters (the template, the hand-off to a
@@ -47,12 +49,12 @@ class TokenizeQueueLimits:
     max_chars_per_tenant: int = 1_000_000
 
 
-class TokenizerQueueFull(Exception):
-    """A job the queue does not take now; ``message`` says whose queue is full."""
+class TokenizerQueueFull(Refused):
+    """A job the queue does not take now (``queue_full``); ``message`` says
+    whose queue is full."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__("queue_full", message)
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class UpstreamWriter:
             await self._post_until_known(action, stream)
         except (RedisError, OSError) as error:
             logger.error(
-                "could not post upstream",
+                "post_upstream_failed",
                 request_id=message.request_id,
                 stream=stream,
                 error=str(error),
@@ -87,7 +87,7 @@ class UpstreamWriter:
         except Exception:
             # A bug (a message that cannot be encoded, say) ends this request
             # with an error; it must not take the socket down with it.
-            logger.exception("posting upstream failed", request_id=message.request_id)
+            logger.exception("post_upstream_crashed", request_id=message.request_id)
             if is_submit:
                 return self._session.on_submit_refused(
                     message.request_id, "internal", UNAVAILABLE_MESSAGE
@@ -125,7 +125,7 @@ class UpstreamWriter:
             except (RedisConnectionError, RedisTimeoutError):
                 if time.monotonic() + reconnect_backoff_s(failures) > deadline_s:
                     raise
-                logger.info("posting again on a fresh connection", stream=stream)
+                logger.info("post_upstream_retried", stream=stream)
                 await self._redis.connection_pool.disconnect(inuse_connections=False)
                 await asyncio.sleep(reconnect_backoff_s(failures))
                 failures += 1
@@ -141,7 +141,7 @@ class UpstreamWriter:
                 self._redis, self._keys.dead, action.source, action.error, action.data
             )
         except (RedisError, OSError) as error:
-            logger.error("could not write to the dead stream", error=str(error))
+            logger.error("dead_letter_failed", error=str(error))
 
     async def _reserve_tokens(
         self, reservation: TokenReservation, request_id: str
@@ -161,11 +161,11 @@ class UpstreamWriter:
             # A refused request takes nothing: give its tokens back.
             await self._redis.decrby(key, reservation.num_tokens)
         except (RedisError, OSError) as error:
-            logger.error("could not reserve tokens", request_id=request_id, error=str(error))
+            logger.error("tokens_not_reserved", request_id=request_id, error=str(error))
             code, text = client_refusal(error)
             return self._session.on_submit_refused(request_id, code, text)
         message = over_tokens_per_minute(
             reservation, int(num_reserved) - reservation.num_tokens, retry_in_s
         )
-        logger.info("request over its tenant's tokens per minute", request_id=request_id)
+        logger.info("tokens_per_minute_exceeded", request_id=request_id)
         return self._session.on_submit_refused(request_id, "queue_full", message)

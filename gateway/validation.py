@@ -1,13 +1,14 @@
 """Turn a client's ``generate`` into prompt ids and sampling parameters, or a typed error.
 
 Pure: the tokenizer and the limits are passed in. Every check that can fail
-raises :class:`RequestValidationError` carrying the protocol error code, so the
-caller only has to turn it into an ``error`` frame. Two steps, so the caller can
-run the second off its event loop: :func:`check_generate` (cheap, bounded by
-the frame: sizes, counts, ranges) with :func:`min_request_tokens` (a lower
-bound on the tokens, from the prompt's bytes), and :func:`tokenize_generate`
-(chat template and tokenizer, over at most ``max_prompt_chars`` characters;
-then the prompt's length settles a ``null`` max_tokens).
+raises :class:`RequestValidationError` carrying the protocol error code and the
+field at fault, so the caller only has to turn it into an ``error`` frame.
+Two steps, so the caller can run the second off its event loop:
+:func:`check_generate` (cheap, bounded by the frame: sizes, counts, ranges)
+with :func:`min_request_tokens` (a lower bound on the tokens, from the
+prompt's bytes), and :func:`tokenize_generate` (chat template and tokenizer,
+over at most ``max_prompt_chars`` characters; then the prompt's length
+settles a ``null`` max_tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.refusal import Refused
 from gateway.tokenizer import ChatTemplateError, ChatTokenizer
 from shared.messages import SamplingParams
 from shared.protocol import PROTOCOL_LIMITS, ErrorCode, Generate, ProtocolLimits
@@ -25,13 +27,13 @@ from shared.protocol import PROTOCOL_LIMITS, ErrorCode, Generate, ProtocolLimits
 MODEL_CONFIG_FILE_NAME = "config.json"
 
 
-class RequestValidationError(ValueError):
-    """A request the gateway refuses; ``code`` is the protocol error code."""
+class RequestValidationError(Refused, ValueError):
+    """A request the gateway refuses; ``code`` is the protocol error code,
+    ``param`` the ``generate`` field at fault (a ``prompt_token_ids`` one is
+    OpenAI's ``prompt``), when one is."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code: ErrorCode = code
-        self.message = message
+    def __init__(self, code: ErrorCode, message: str, *, param: str | None = None) -> None:
+        super().__init__(code, message, param=param)
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,8 @@ def _resolve_max_tokens(
     return min(room, limits.max_tokens_limit, limits.max_tokens_limit if cap is None else cap)
 
 
-def _invalid(message: str) -> RequestValidationError:
-    return RequestValidationError("invalid_request", message)
+def _invalid(message: str, param: str | None = None) -> RequestValidationError:
+    return RequestValidationError("invalid_request", message, param=param)
 
 
 def _check_prompt_form(generate: Generate, limits: ModelLimits) -> None:
@@ -247,16 +249,19 @@ def _check_prompt_form(generate: Generate, limits: ModelLimits) -> None:
     if generate.messages is not None:
         messages = generate.messages
         if not messages:
-            raise _invalid("`messages` is empty")
+            raise _invalid("`messages` is empty", "messages")
         if len(messages) > protocol.max_messages:
             raise _invalid(
-                f"`messages` has {len(messages)} entries, over the limit of {protocol.max_messages}"
+                f"`messages` has {len(messages)} entries, over the limit of "
+                f"{protocol.max_messages}",
+                "messages",
             )
         for index, message in enumerate(messages):
             if message.role not in protocol.allowed_roles:
                 raise _invalid(
                     f"messages[{index}].role {message.role[: protocol.max_role_chars]!r} is not "
-                    f"one of {', '.join(sorted(protocol.allowed_roles))}"
+                    f"one of {', '.join(sorted(protocol.allowed_roles))}",
+                    "messages",
                 )
         num_chars = sum(len(message.content) for message in messages)
         if num_chars > protocol.max_prompt_chars:
@@ -268,7 +273,8 @@ def _check_prompt_form(generate: Generate, limits: ModelLimits) -> None:
         if len(generate.prompt) > protocol.max_prompt_chars:
             raise _invalid(
                 f"`prompt` has {len(generate.prompt)} characters, over the limit of "
-                f"{protocol.max_prompt_chars}"
+                f"{protocol.max_prompt_chars}",
+                "prompt",
             )
     else:
         _check_prompt_token_ids(generate.prompt_token_ids or [], limits)
@@ -281,12 +287,14 @@ def _check_prompt_token_ids(prompt_token_ids: list[int], limits: ModelLimits) ->
             "prompt_too_long",
             f"prompt_token_ids has {len(prompt_token_ids)} ids, over the model's context "
             f"of {limits.context_tokens}",
+            param="prompt",
         )
     for index, token_id in enumerate(prompt_token_ids):
         if not 0 <= token_id < limits.vocab_size:
             raise _invalid(
                 f"prompt_token_ids[{index}] is {token_id}, not in [0, {limits.vocab_size}) "
-                "(the model's vocabulary)"
+                "(the model's vocabulary)",
+                "prompt",
             )
 
 
@@ -295,17 +303,17 @@ def _check_sampling(generate: Generate, limits: ModelLimits) -> None:
     decoder, and what only the gateway knows (its max_tokens cap, the context)."""
     _check_finite("temperature", generate.temperature)
     if not 0 <= generate.temperature <= 100:
-        raise _invalid(f"temperature {generate.temperature} is not in [0, 100]")
+        raise _invalid(f"temperature {generate.temperature} is not in [0, 100]", "temperature")
     _check_finite("top_p", generate.top_p)
     if not 0 < generate.top_p <= 1:
-        raise _invalid(f"top_p {generate.top_p} is not in (0, 1]")
+        raise _invalid(f"top_p {generate.top_p} is not in (0, 1]", "top_p")
     for name, value in (
         ("top_k", generate.top_k),
         ("seed", generate.seed),
         ("min_tokens", generate.min_tokens),
     ):
         if value is not None and not 0 <= value <= 2**63 - 1:
-            raise _invalid(f"{name} {value} is not in [0, 2**63 - 1]")
+            raise _invalid(f"{name} {value} is not in [0, 2**63 - 1]", name)
     _check_token_counts(generate, limits)
 
 
@@ -313,7 +321,7 @@ def _check_finite(name: str, value: float) -> None:
     """NaN and ±inf are refused before any range is checked, and said so: a range
     check alone would refuse them, but with a message that reads as a bound."""
     if not math.isfinite(value):
-        raise _invalid(f"{name} {value} is not a finite number")
+        raise _invalid(f"{name} {value} is not a finite number", name)
 
 
 def _check_token_counts(generate: Generate, limits: ModelLimits) -> None:
@@ -322,18 +330,22 @@ def _check_token_counts(generate: Generate, limits: ModelLimits) -> None:
     max_tokens = generate.max_tokens
     if max_tokens is not None:
         if max_tokens < 1:
-            raise _invalid(f"max_tokens {max_tokens} is below 1")
+            raise _invalid(f"max_tokens {max_tokens} is below 1", "max_tokens")
         if max_tokens > limits.max_tokens_limit:
             raise _invalid(
-                f"max_tokens {max_tokens} is over the limit of {limits.max_tokens_limit}"
+                f"max_tokens {max_tokens} is over the limit of {limits.max_tokens_limit}",
+                "max_tokens",
             )
         if generate.min_tokens > max_tokens:
-            raise _invalid(f"min_tokens {generate.min_tokens} is over max_tokens {max_tokens}")
+            raise _invalid(
+                f"min_tokens {generate.min_tokens} is over max_tokens {max_tokens}", "min_tokens"
+            )
     elif generate.min_tokens > limits.max_tokens_limit:
         # A null max_tokens resolves to at most the limit.
         raise _invalid(
             f"min_tokens {generate.min_tokens} is over the max_tokens limit of "
-            f"{limits.max_tokens_limit}"
+            f"{limits.max_tokens_limit}",
+            "min_tokens",
         )
     # No prompt of at least one token fits beside either.
     for name, value in (("max_tokens", max_tokens), ("min_tokens", generate.min_tokens)):
@@ -342,6 +354,7 @@ def _check_token_counts(generate: Generate, limits: ModelLimits) -> None:
                 "prompt_too_long",
                 f"{name} {value} leaves no room for a prompt in the model's "
                 f"context of {limits.context_tokens}",
+                param=name,
             )
 
 
@@ -349,19 +362,22 @@ def _check_stop(stop: list[str], protocol: ProtocolLimits) -> None:
     """Bounded so matching costs at most ``max_stop_bytes`` per generated token."""
     if len(stop) > protocol.max_stop_strings:
         raise _invalid(
-            f"`stop` has {len(stop)} strings, over the limit of {protocol.max_stop_strings}"
+            f"`stop` has {len(stop)} strings, over the limit of {protocol.max_stop_strings}",
+            "stop",
         )
     num_bytes = 0
     for index, stop_string in enumerate(stop):
         if not 1 <= len(stop_string) <= protocol.max_stop_string_chars:
             raise _invalid(
                 f"stop[{index}] has {len(stop_string)} characters, not in "
-                f"[1, {protocol.max_stop_string_chars}]"
+                f"[1, {protocol.max_stop_string_chars}]",
+                "stop",
             )
         num_bytes += len(stop_string.encode("utf-8", "surrogatepass"))
     if num_bytes > protocol.max_stop_bytes:
         raise _invalid(
-            f"`stop` has {num_bytes} UTF-8 bytes, over the limit of {protocol.max_stop_bytes}"
+            f"`stop` has {num_bytes} UTF-8 bytes, over the limit of {protocol.max_stop_bytes}",
+            "stop",
         )
 
 

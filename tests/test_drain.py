@@ -171,7 +171,7 @@ def test_gateway_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits_
 
                 sigterm_at_s = time.monotonic()
                 gateway.send_signal(signal.SIGTERM)
-                await _wait_for_log(actors, "gateway", "gateway draining")
+                await _wait_for_log(actors, "gateway", "gateway_draining")
                 # No new sockets...
                 with pytest.raises((OSError, InvalidStatus)):
                     async with connect(url, open_timeout=2):

@@ -49,7 +49,7 @@ class InlineTokenizingSession(GatewaySession):
                     action.max_tokens_cap,
                 )
             except RequestValidationError as error:
-                done += self.on_tokenize_failed(action.request_id, error.code, error.message)
+                done += self.on_tokenize_failed(action.request_id, error)
             else:
                 done += self.on_tokenized(action.request_id, action.generate, validated)
         return done

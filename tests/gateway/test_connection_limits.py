@@ -107,7 +107,7 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 
 def closes(logs: list[dict[str, Any]]) -> list[str]:
-    return [entry["reason"] for entry in logs if entry["event"] == "connections closed"]
+    return [entry["reason"] for entry in logs if entry["event"] == "connections_closed"]
 
 
 def run(
@@ -230,7 +230,7 @@ def test_connections_past_the_caps_are_refused_and_those_within_work(
             others = [await open_raw(server, "127.0.0.2") for _ in range(3)]
             answer = await first_words(server, "127.0.0.3")
             assert answer.startswith(refused), answer
-        refusals = [entry["reason"] for entry in logs if entry["event"] == "connections refused"]
+        refusals = [entry["reason"] for entry in logs if entry["event"] == "connections_refused"]
         assert refusals == ["max_connections_per_address", "max_connections"]
         # Those let in are served, several requests each.
         for streams in [*mine, *others]:

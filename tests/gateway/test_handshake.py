@@ -14,7 +14,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from gateway.server import REVOKED_REASON, GatewayServer
+from gateway.connections import REVOKED_REASON
+from gateway.server import GatewayServer
 from gateway.tenants import Tenant, hash_key, tenant_toml
 from gateway.tokenizer import ChatTokenizer
 from gateway.validation import ModelLimits

@@ -8,20 +8,18 @@ from typing import Any
 
 import pytest
 
-from gateway.openai_api import (
-    SSE_DONE,
+from gateway.openai_api import parse_chat, parse_completion
+from gateway.openai_errors import (
     OpenAIError,
-    Reply,
     error_of_code,
+    error_of_frame,
     invalid,
-    model_body,
     model_not_found,
-    models_body,
-    parse_chat,
-    parse_completion,
+    shutting_down,
     unauthorized,
 )
-from shared.protocol import ChatMessage, Done, Timings, Usage
+from gateway.openai_reply import SSE_DONE, Reply, model_body, models_body
+from shared.protocol import ChatMessage, Done, Error, Timings, Usage
 
 MODEL = "m"
 
@@ -163,6 +161,19 @@ def test_codes_map_to_statuses() -> None:
     for code, status in statuses.items():
         assert error_of_code(code, "m").status == status  # type: ignore[arg-type]
     assert error_of_code("prompt_too_long", "m").code == "context_length_exceeded"
+
+
+def test_a_core_refusal_answers_with_the_data_it_came_with() -> None:
+    """``param`` and a draining gateway's 503 come from the refusal, never from its prose."""
+    frame = Error(code="invalid_request", message="max_tokens 0 is below 1", id="http")
+    assert error_of_frame(frame).param is None
+    assert error_of_frame(frame, param="max_tokens").param == "max_tokens"
+    draining = Error(code="queue_full", message="gateway is shutting down", id="http")
+    assert error_of_frame(draining).status == HTTPStatus.TOO_MANY_REQUESTS
+    refused = error_of_frame(draining, reason="shutting_down")
+    assert refused.status == HTTPStatus.SERVICE_UNAVAILABLE
+    assert json.loads(refused.body())["error"] == json.loads(shutting_down().body())["error"]
+    assert refused.metric_code == "service_unavailable"
 
 
 DONE = Done(id="http", finish_reason="stop", usage=Usage(3, 2), timings=Timings(1.0, 2.0))

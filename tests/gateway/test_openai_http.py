@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
+from gateway.openai_errors import shutting_down
 from gateway.server import GatewayServer
 from gateway.tenants import Tenant, hash_key, tenant_toml
 from gateway.tokenizer import ChatTokenizer
@@ -571,6 +572,49 @@ def test_an_http_stream_still_running_at_shutdown_ends_with_an_error_event(
         # Counted (the gateway is gone: read from its registry).
         samples = samples_of(generate_latest(server.metrics.registry).decode())
         assert error_counts(samples) == {"service_unavailable": 1}
+
+    asyncio.run(main())
+
+
+def test_a_new_request_while_draining_is_a_503(
+    redis_server: RedisServer, chat_tokenizer: ChatTokenizer, model_limits: ModelLimits
+) -> None:
+    """On a connection opened before the drain: refused by the admission's
+    one decision, answered as HTTP says a draining server is."""
+
+    async def refused_then_finish(
+        client: aiohttp.ClientSession, server: GatewayServer, upstream: FakeUpstream, running: str
+    ) -> tuple[int, Any]:
+        while not server.draining:
+            await asyncio.sleep(0.01)
+        async with client.post(
+            f"{server.http_url}/v1/chat/completions", json={"messages": CHAT}
+        ) as response:
+            refused = response.status, await response.json()
+        # The request in flight ends: the drain is over.
+        await upstream.publish(*worker_tokens(chat_tokenizer, running, "a b"))
+        return refused
+
+    async def main() -> None:
+        body = {"messages": CHAT, "stream": True, "max_tokens": 500}
+        async with aiohttp.ClientSession() as client:
+            async with running_gateway(
+                redis_server, chat_tokenizer, model_limits, drain_timeout_s=10
+            ) as (server, upstream):
+                # A connection kept alive across the start of the drain.
+                async with client.get(f"{server.http_url}/v1/models") as response:
+                    assert response.status == 200
+                    await response.read()
+                call = asyncio.create_task(stream_events(server, body, {}))
+                submit = await upstream.next_submit()
+                refusal = asyncio.create_task(
+                    refused_then_finish(client, server, upstream, submit.request_id)
+                )
+            status, reply = await asyncio.wait_for(refusal, TIMEOUT_S)
+        assert status == 503, reply
+        assert reply["error"] == json.loads(shutting_down().body())["error"]
+        events = await asyncio.wait_for(call, TIMEOUT_S)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"]
 
     asyncio.run(main())
 

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from gateway.actions import SendFrame, Tokenize, Wait
+from gateway.refusal import Refused
 from gateway.refusal_pacer import RefusalPacer
 from gateway.session import GatewaySession, SessionConfig
 from gateway.tenants import Tenant
@@ -56,13 +57,15 @@ def test_the_core_holds_back_a_tenants_repeated_refusals(
     [job] = session.on_frame(carol, _generate("d", words))
     assert isinstance(job, Tokenize)
     # A refusal after tokenizing (the queue full, or the prompt too long) is paced alike.
-    session.on_tokenize_failed(job.request_id, "queue_full", "full", num_chars=100_000)
+    session.on_tokenize_failed(job.request_id, Refused("queue_full", "full"), num_chars=100_000)
     [job] = session.on_frame(carol, _generate("d", words))
     assert isinstance(job, Tokenize)
-    held = session.on_tokenize_failed(job.request_id, "queue_full", "full", num_chars=100_000)
+    full = Refused("queue_full", "full")
+    held = session.on_tokenize_failed(job.request_id, full, num_chars=100_000)
     assert isinstance(held[0], Wait) and held[0].duration_s == pytest.approx(0.1)
     # The gateway's own failure is never held back.
     [job] = session.on_frame(carol, _generate("e", words))
     assert isinstance(job, Tokenize)
-    [internal] = session.on_tokenize_failed(job.request_id, "internal", "x", num_chars=100_000)
+    internal_error = Refused("internal", "x")
+    [internal] = session.on_tokenize_failed(job.request_id, internal_error, num_chars=100_000)
     assert isinstance(internal, SendFrame)

@@ -21,7 +21,7 @@ from shared.messages import (
     TokenBatch,
     encode,
 )
-from shared.protocol import Accepted, Done, Error, Token
+from shared.protocol import Accepted, Done, Error, Generate, Token
 from shared.request_log import RequestLog
 from tests.gateway.session_driver import InlineTokenizingSession
 from tests.gateway.worker_tokens import worker_tokens
@@ -264,6 +264,38 @@ def test_bad_frames_get_error_codes(
     [error] = frames(session.on_frame(socket_id, frame))
     assert isinstance(error, Error), error
     assert (error.code, error.id) == (code, client_id), error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 9, "max_tokens": 5}, "min_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"stop": ["a"] * 17}, "stop"),
+        ({"prompt": None, "prompt_token_ids": [49152]}, "prompt"),
+        ({"prompt": None, "messages": []}, "messages"),
+        ({"prompt_token_ids": [1]}, None),  # two prompt forms: no one field at fault
+    ],
+)
+def test_a_refusal_carries_the_field_at_fault(
+    session: GatewaySession, fields: dict[str, object], param: str | None
+) -> None:
+    """Not re-read from the message: the OpenAI API answers with it as ``param``."""
+    socket_id = session.connect()
+    generate = msgspec.structs.replace(Generate(id="a", prompt="x"), **fields)
+    [refusal] = session.on_generate(socket_id, generate)
+    assert isinstance(refusal, SendFrame) and isinstance(refusal.frame, Error)
+    assert (refusal.param, refusal.reason) == (param, None), refusal.frame.message
+
+
+def test_a_draining_gateways_refusal_says_so_as_data(session: GatewaySession) -> None:
+    socket_id = session.connect()
+    session.start_draining()
+    [refusal] = session.on_generate(socket_id, Generate(id="a", prompt="x"))
+    assert isinstance(refusal, SendFrame) and isinstance(refusal.frame, Error)
+    assert (refusal.frame.code, refusal.reason) == ("queue_full", "shutting_down")
 
 
 def test_prompt_too_long_for_the_context(
