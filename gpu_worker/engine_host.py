@@ -62,8 +62,10 @@ _PR_SET_PDEATHSIG = 1
 # (tests/adversarial/test_event_loop.py); with this spin that test's stream
 # is no slower under attack than with PASSIVE.
 # How long a stopping worker waits for its engine process to end by itself
-# (after its current step) before killing it.
+# (after its current step) before killing it; and, at the shell's exit, how long
+# an engine process still there gets (one that failed to start is ending).
 ENGINE_EXIT_WAIT_S = 10.0
+ENGINE_AT_EXIT_WAIT_S = 2.0
 OPENMP_SPIN_COUNT = "30000"
 OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -318,7 +320,7 @@ class EngineProcess:
             self._process.start()
         # multiprocessing's own exit handler would SIGTERM it (ignored: the shell
         # decides when it stops) and then join it with no limit.
-        atexit.register(self._kill_if_running)
+        atexit.register(self._end_process, ENGINE_AT_EXIT_WAIT_S)
         self._child_end.close()  # the child holds its end now
         message: EngineReady | EngineFailed | PathsInUse | None = None
         while message is None or isinstance(message, PathsInUse):
@@ -330,6 +332,7 @@ class EngineProcess:
                 raise EngineProcessDied("the engine process ended while loading") from error
             message = _FROM_CHILD.decode(data)
         if isinstance(message, EngineFailed):
+            await asyncio.to_thread(self._end_process, ENGINE_EXIT_WAIT_S)  # it is ending
             raise EngineStartFailed(f"the engine did not start: {message.message}")
         self.num_blocks, self.block_size = message.num_blocks, message.block_size
         _log.info("engine_process_started", pid=self._process.pid)
@@ -346,9 +349,12 @@ class EngineProcess:
             self._closed = True
             self._writer.send(_encoder.encode(None))
 
-    def _kill_if_running(self) -> None:
-        """End an engine process that did not end by itself in time."""
-        if self._process.pid is not None and self._process.is_alive():
+    def _end_process(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for the engine process to end by itself, then kill it."""
+        if self._process.pid is None:
+            return
+        self._process.join(wait_s)
+        if self._process.is_alive():
             _log.warning("engine_process_killed", pid=self._process.pid)
             self._process.kill()
             self._process.join(ENGINE_EXIT_WAIT_S)
@@ -393,8 +399,7 @@ class EngineProcess:
             # before it is dropped, whichever of the worker's tasks ends first.
             self.close()
             self._writer.discard()  # what the engine did not take stays unrun
-            await asyncio.to_thread(self._process.join, ENGINE_EXIT_WAIT_S)
-            self._kill_if_running()
+            await asyncio.to_thread(self._end_process, ENGINE_EXIT_WAIT_S)
         if not asked_to_end:
             raise EngineProcessDied(f"the engine process exited ({self._process.exitcode})")
 
