@@ -20,7 +20,7 @@ bench-quick:
 # 1,000 clients on one gateway, then a 300 s soak sampling RSS and fds
 # (docs/history/benchmarks-notebook.md, "Soak").
 soak:
-	$(PYTHON) bench/soak.py
+	$(PYTHON) -m bench.soak
 
 soak-quick:
-	$(PYTHON) bench/soak.py --duration-s 20 --clients 100 --out bench/results/soak-quick
+	$(PYTHON) -m bench.soak --duration-s 20 --clients 100 --out bench/results/soak-quick

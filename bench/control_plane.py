@@ -1,6 +1,6 @@
 """The control plane's cost without a GPU: the live service beside the engine alone.
 
-    python bench/control_plane.py [--batch 32,64] [--duration-s 30] [--context 256]
+    python -m bench.control_plane [--batch 32,64] [--duration-s 30] [--context 256]
                                   [--prompt-tokens 16] [--max-inflight N] [--threads N]
                                   [--pin-engine] [--wait-quiet-s S] [--retries N] [--quick]
                                   [--out bench/results/control_plane.json]
@@ -45,25 +45,24 @@ import contextlib
 import itertools
 import json
 import os
-import platform
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import date
+from functools import partial
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from bench.machine import torch_machine
+from bench.output import RESULTS_DIR, write_json
+from bench.timing import median_s
 from shared.keys import RedisKeys
 from shared.protocol import (
     Cancel,
@@ -266,27 +265,13 @@ def engine_alone(model_dir: Path, workload: Workload, context: int, duration_s: 
 def fixed_context_decode_ms(engine: Any, batch: int, context: int, released: set[str]) -> float:
     """One decode step of ``batch`` requests that each attend exactly ``context`` tokens
     (median of 20): ``released`` go first, the new ones are prefilled eight at a time."""
-    from gpu_worker.local_blocks import step_alone
-    from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+    from bench.engine_plans import decode_plan, prefill_in_groups, release_plan, rewind
 
-    engine.step(StepPlan("bench", 0, 0, released_request_ids=sorted(released)))
-    sampling = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
+    engine.step(release_plan(sorted(released)))
     request_ids = [f"d{i}" for i in range(batch)]
-    for start in range(0, batch, 8):
-        group = request_ids[start : start + 8]
-        specs = [RequestSpec(rid, context - 1, sampling) for rid in group]
-        chunks = [PrefillChunk(rid, [FIRST_TOKEN_ID] * (context - 1), 0) for rid in group]
-        step_alone(engine, StepPlan("bench", 0, 0, new_requests=specs, prefill_chunks=chunks))
-    plan = StepPlan("bench", 0, 0, decode_request_ids=request_ids)
-    times = []
-    for _ in range(21):
-        for request_id in request_ids:
-            # Rewound, the step rewrites the same slot and attends as many tokens.
-            engine._requests[request_id].num_cached_tokens = context - 1
-        started = time.perf_counter()
-        engine.step(plan)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:]) * 1000
+    prefill_in_groups(engine, {rid: [FIRST_TOKEN_ID] * (context - 1) for rid in request_ids})
+    step = partial(engine.step, decode_plan(request_ids))
+    return median_s(step, 20, partial(rewind, engine, request_ids, context - 1)) * 1000
 
 
 # --- what the service reports -----------------------------------------------------
@@ -771,7 +756,7 @@ def measure_batch(model_dir: Path, redis_url: str, batch: int, args: argparse.Na
                         vocab_size)  # fmt: skip
     before = measure_engine_alone(model_dir, workload, args, "before")
     print(f"batch {batch}: the service...", flush=True)
-    log_path = Path(args.out).with_suffix("") / f"up-batch{batch}.log"
+    log_path = args.out.with_suffix("") / f"up-batch{batch}.log"
     # Read by torch at import: the worker's intra-op threads, as set_num_threads here.
     environment = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     flags = up_args(model_dir, batch, args)
@@ -845,17 +830,6 @@ def render_tables(results: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.startswith("model name")), platform.processor())  # fmt: skip
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "date": date.today().isoformat(), "load_average": os.getloadavg()}  # fmt: skip
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke test: batch 8, 5-s windows")
@@ -877,7 +851,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="one CPU for the engine alone, the others for the rest, "
                         "as a GPU would be (with --threads 1)")  # fmt: skip
     parser.add_argument("--cache-dir", help="where the tiny model is written (default: orcapod's)")
-    parser.add_argument("--out", default="bench/results/control_plane.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "control_plane.json")
     args = parser.parse_args(argv)
     quick = args.quick
     args.batches = [int(b) for b in (args.batch or ("8" if quick else "32,64")).split(",")]
@@ -908,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             results.append(measure_batch(model_dir, embedded.url, batch, args))
     result = {
-        "machine": machine_info(),
+        "machine": torch_machine() | {"load_average": os.getloadavg()},
         "model": TINY_LLAMA,
         "settings": {
             name: getattr(args, name)
@@ -936,10 +910,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"warning: batch {row['batch']}, {name}: other processes used "
                     f"{other:.2f} cores during the window; its numbers are disturbed"
                 )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_json(args.out, result)
+    print(f"\nwrote {args.out}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Candidate CPU kernels for one decode token's layer matrices, side by side.
 
-    python bench/cpu_kernels.py [--threads 2] [--calls 500] [--emulate-avx2]
+    python -m bench.cpu_kernels [--threads 2] [--calls 500] [--emulate-avx2]
                                 [--rows 1,4,16,64,512] [--out FILE.json]
 
 What a lone decode step reads from its 30 layers, one kernel at a time: each of
@@ -47,14 +47,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.child_process import rerun
+from bench.output import RESULTS_DIR, log, write_json
 
 GROUP = 32
 LAYERS = 30
@@ -74,6 +73,13 @@ AVX2_ENV = {
 Kernel = Callable[[Any], Any]
 # The forms that take calls of any number of rows (the others are built for one).
 ANY_ROWS = ("float32", "float16 fbgemm", "q4_1 orcapod")
+
+
+def hold_to_avx2(module: str) -> None:
+    """Unless this process runs under ``AVX2_ENV`` already, replace it by ``python -m
+    module`` with the same arguments under it (the libraries read it when imported)."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        rerun(module, AVX2_ENV)
 
 
 class Q4Matrix:
@@ -122,13 +128,13 @@ def torch_kernels(matrix: Q4Matrix) -> dict[str, tuple[Kernel, int]]:
         int4 = Int4Kernel.pack(weight)
         kernels["int4 torch"] = (lambda x: int4(x).float(), int4.num_bytes)
     except (PackError, RuntimeError) as error:
-        print(f"int4 torch: {error}", file=sys.stderr)
+        log(f"int4 torch: {error}")
     reason = kernel_unavailable_reason()
     if reason is None:
         q4_1 = Q41Matrix.pack(weight)
         kernels["q4_1 orcapod"] = (q4_1, q4_1.num_bytes)
     else:
-        print(f"q4_1 orcapod: {reason}", file=sys.stderr)
+        log(f"q4_1 orcapod: {reason}")
     return kernels
 
 
@@ -200,7 +206,7 @@ def measure(threads: int, calls: int, row_counts: list[int]) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from bench.engine import median_s
+    from bench.timing import median_s
 
     torch.set_num_threads(threads)
     results: dict[str, dict[str, Any]] = {}
@@ -227,7 +233,7 @@ def measure(threads: int, calls: int, row_counts: list[int]) -> dict[str, Any]:
                     "gb_per_s": num_bytes / seconds_per_call / 1e9,
                     "relative_error": error,
                 }
-                print(f"{label:32s} {name:8s} {seconds_per_call * 1e6:8.1f} us", file=sys.stderr)
+                log(f"{label:32s} {name:8s} {seconds_per_call * 1e6:8.1f} us")
     for per_shape in results.values():
         if len(per_shape) == len(SHAPES):
             per_shape["30 layers ms"] = LAYERS * sum(e["us"] for e in per_shape.values()) / 1e3
@@ -255,27 +261,25 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500, help="timed calls per kernel and shape")
     parser.add_argument("--emulate-avx2", action="store_true")
     parser.add_argument("--rows", default="1", help="row counts of x, e.g. 1,4,16,64,512")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_kernels.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "cpu_kernels.json")
     args = parser.parse_args()
     # Every library is imported below this, so a rerun's imports see AVX2_ENV.
-    if args.emulate_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
-        argv = [sys.executable, *sys.argv]
-        os.execve(sys.executable, argv, {**os.environ, **AVX2_ENV})
-    from bench.profile_engine import machine
+    if args.emulate_avx2:
+        hold_to_avx2("bench.cpu_kernels")
+    from bench.machine import lscpu_machine
 
     row_counts = [int(rows) for rows in args.rows.split(",")]
     results = measure(args.threads, args.calls, row_counts)
     print_table(results)
     report = {
-        "machine": machine(),
+        "machine": lscpu_machine(with_torch=True),
         "threads": args.threads,
         "emulated_avx2": args.emulate_avx2,
         "rows": row_counts,
         "kernels": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    write_json(args.out, report)
+    log(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Engine step time on the CPU: our selective-batched engine beside transformers.
 
-    python bench/engine.py [--quick] [--dtype float32,bfloat16] [--backends reference,cpu]
+    python -m bench.engine [--quick] [--dtype float32,bfloat16] [--backends reference,cpu]
                            [--batches 1,8,32,64] [--context 256] [--model DIR | --config tiny]
                            [--weights F] [--no-compile-decode] [--steps N]
 
@@ -29,24 +29,28 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 import transformers
 
+from bench.engine_plans import (
+    BLOCK_SIZE,
+    decode_plan,
+    prefill_in_groups,
+    prefill_plan,
+    release_plan,
+    rewind,
+)
+from bench.machine import torch_machine
+from bench.output import RESULTS_DIR, write_json
+from bench.timing import interleaved_median_s, median_s
 from gpu_worker.attention import BACKEND_NAMES, AttentionBackend, make_backend
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.device import DTYPES, choose_dtype, cpu_has_native_bf16
@@ -57,12 +61,8 @@ from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.model_loading import load_model
 from gpu_worker.weights import random_weights
-from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import WEIGHT_FORMATS, model_location
 
-BLOCK_SIZE = 16
-FILL_GROUP = 8  # requests per prefill step while filling the decode batch
-SAMPLING = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
 CPU = torch.device("cpu")
 OVERHEAD_LAYERS = 30
 Row = dict[str, Any]
@@ -117,48 +117,11 @@ def load_models(args: argparse.Namespace, dtype_name: str) -> tuple[LlamaModel, 
     return load_model(model_dir, "cpu", dtype_name, args.weights), theirs.eval()
 
 
-def median_s(
-    run: Callable[[], object], num_steps: int, before: Callable[[], object] | None = None
-) -> float:
-    """Median seconds of ``num_steps`` calls of ``run`` after one untimed warm-up."""
-    times = []
-    for index in range(num_steps + 1):
-        if before is not None:
-            before()
-        started = time.perf_counter()
-        run()
-        if index:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def prefill_plan(prompts: dict[str, list[int]]) -> StepPlan:
-    """Admit every prompt and prefill it whole in one step."""
-    return StepPlan(
-        worker_id="bench",
-        epoch=0,
-        step_index=0,
-        new_requests=[RequestSpec(rid, len(ids), SAMPLING) for rid, ids in prompts.items()],
-        prefill_chunks=[PrefillChunk(rid, ids, 0) for rid, ids in prompts.items()],
-    )
-
-
-def release_plan(request_ids: list[str]) -> StepPlan:
-    return StepPlan(worker_id="bench", epoch=0, step_index=0, released_request_ids=request_ids)
-
-
 def use_backend(engine: Engine, backend: AttentionBackend) -> None:
     """The engine's eager steps through ``backend`` (its decodes through the paged
     attention where it has one)."""
     engine.paths.backend = backend
     engine.paths.paged_backend = backend if getattr(backend, "decode_kernel", None) else None
-
-
-def rewind(engine: Engine, request_ids: list[str], num_cached_tokens: int) -> None:
-    # Re-prefilling 64 requests costs ~40 s; resetting the count instead makes
-    # the next decode rewrite the same slot and attend exactly as many tokens.
-    for request_id in request_ids:
-        engine._requests[request_id].num_cached_tokens = num_cached_tokens
 
 
 def row(measurement: str, dtype: str, impl: str, batch: int, new: int, attended: int | None,
@@ -183,23 +146,6 @@ def our_prefill_s(engine: Engine, prompts: list[list[int]], repeats: int) -> flo
     seconds = median_s(partial(engine.step, plan), repeats, partial(engine.step, release))
     engine.step(release)
     return seconds
-
-
-def interleaved_median_s(
-    runs: list[tuple[Callable[[], object], Callable[[], object]]], num_steps: int
-) -> list[float]:
-    """Median seconds of each ``(run, before)`` over ``num_steps`` calls after one
-    untimed warm-up, the runs taking turns call by call: this machine's speed drifts
-    by tens of per cent within minutes, and taking turns gives each side the same."""
-    times: list[list[float]] = [[] for _ in runs]
-    for index in range(num_steps + 1):
-        for (run, before), bucket in zip(runs, times, strict=True):
-            before()
-            started = time.perf_counter()
-            run()
-            if index:
-                bucket.append(time.perf_counter() - started)
-    return [statistics.median(bucket) for bucket in times]
 
 
 def their_decode_step(
@@ -252,12 +198,7 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
     # The compiled decode attention (None without --compile-decode), kept across the sweep.
     decode_kernel = engine.paths.paged_attention
     request_ids = [f"r{i}" for i in range(max_batch)]
-    fill_s = []
-    for start in range(0, max_batch, FILL_GROUP):
-        group = request_ids[start : start + FILL_GROUP]
-        started = time.perf_counter()
-        step_alone(engine, prefill_plan({rid: tokens(context - 1) for rid in group}))
-        fill_s.append((time.perf_counter() - started, len(group)))
+    fill_s = prefill_in_groups(engine, {rid: tokens(context - 1) for rid in request_ids})
     group_size = fill_s[0][1]
     fill_median = statistics.median(s for s, n in fill_s if n == group_size)
     new, attended = group_size * (context - 1), group_size * prefill_attended(context - 1)
@@ -266,14 +207,14 @@ def measure_dtype(args: argparse.Namespace, dtype_name: str) -> list[Row]:
     backends = {name: make_backend(name, ours.dtype, decode_kernel) for name in args.backends}
     for batch in args.batches:
         # Ours with each backend and theirs taking turns step by step.
-        runs = []
+        runs: list[tuple[Callable[[], object], Callable[[], object]]] = []
         for backend in backends.values():
 
             def before(backend: Any = backend, batch: int = batch) -> None:
                 use_backend(engine, backend)
                 rewind(engine, request_ids[:batch], context - 1)
 
-            decode = StepPlan("bench", 0, 0, decode_request_ids=request_ids[:batch])
+            decode = decode_plan(request_ids[:batch])
             runs.append((partial(engine.step, decode), before))
         runs.append(their_decode_step(theirs, batch, context, config.vocab_size))
         *ours_s, their_s = interleaved_median_s(runs, args.steps)
@@ -312,7 +253,7 @@ def measure_overhead(steps: int) -> dict[str, float]:
     budget = KVCacheBudget(num_bytes=4 * bytes_per_block(config, BLOCK_SIZE, torch.float32))
     engine = Engine(ours, budget, "cpu")
     step_alone(engine, prefill_plan({"o": [5] * 15}))
-    decode = StepPlan("bench", 0, 0, decode_request_ids=["o"])
+    decode = decode_plan(["o"])
     our_s = median_s(partial(engine.step, decode), steps, partial(rewind, engine, ["o"], 15))
     their_s = their_decode_s(theirs, 1, 16, steps, config.vocab_size)
     return {
@@ -384,18 +325,6 @@ def evaluate_targets(rows: list[Row], dtypes: list[str]) -> list[Row]:
     return targets
 
 
-def machine_info() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.startswith("model name")), platform.processor())  # fmt: skip
-    return {
-        "cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(),
-        "threads": torch.get_num_threads(), "native_bf16": cpu_has_native_bf16(),
-        "date": date.today().isoformat(),
-    }  # fmt: skip
-
-
 def print_report(result: dict[str, Any]) -> None:
     print("| measurement | dtype | impl | batch | new tokens | attended | step ms | tokens/s |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
@@ -439,7 +368,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", help="decode batch sizes (default 1,8,32,64; quick 1,8)")
     parser.add_argument("--context", type=int, help="decode context (default 256; quick 32)")
     parser.add_argument("--steps", type=int, help="timed decode steps (default 5; quick 2)")
-    parser.add_argument("--out", default="bench/results/engine.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine.json")
     args = parser.parse_args(argv)
     quick = args.quick
     args.batches = [int(b) for b in (args.batches or ("1,8" if quick else "1,8,32,64")).split(",")]
@@ -469,8 +398,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dtype: fit_cost_model([r for r in rows if r["impl"] == "cpu" and r["dtype"] == dtype])
         for dtype in args.dtypes
     }
+    machine = torch_machine()
+    machine |= {"transformers": transformers.__version__, "native_bf16": cpu_has_native_bf16()}
     result = {
-        "machine": machine_info(),
+        "machine": machine,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "results": rows,
         "overhead": overhead,
@@ -481,10 +412,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "run_s": time.perf_counter() - started,
     }
     print_report(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"\n{time.perf_counter() - started:.0f} s; wrote {out}")
+    write_json(args.out, result)
+    print(f"\n{time.perf_counter() - started:.0f} s; wrote {args.out}")
     return result
 
 

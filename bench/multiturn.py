@@ -1,6 +1,6 @@
 """orcapod's prefix cache on the multi-turn trace, beside llama.cpp's server, in one run.
 
-    python bench/multiturn.py [--conversations 4] [--turns 8] [--max-tokens 24] [--seed 0]
+    python -m bench.multiturn [--conversations 4] [--turns 8] [--max-tokens 24] [--seed 0]
                               [--runs cache,no-cache,routing,no-routing,llama-server]
                               [--up-arg=--scheduler-arg=--routing-slack=2 ...]
                               [--llama-cache-dir ~/.cache/orcapod/llama.cpp]
@@ -43,38 +43,35 @@ about 10 minutes on 2 cores. Never run by the test suite.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.llama_cpp import binaries, llama_server, log  # noqa: E402
-from orcapod.bench.loadgen import LoadSettings  # noqa: E402
-from orcapod.bench.metrics import table as orca_table  # noqa: E402
-from orcapod.bench.multiturn import (  # noqa: E402
+from bench.llama_cpp_build import BUILD_COMMAND, binaries
+from bench.llama_server import add_llama_arguments, llama_server
+from bench.machine import loadavg_1m
+from bench.output import RESULTS_DIR, log, write_json
+from orcapod.bench.loadgen import LoadSettings
+from orcapod.bench.metrics import table as orca_table
+from orcapod.bench.multiturn import (
     Endpoint,
     http_base_url,
     measure,
 )
-from orcapod.bench.multiturn_report import (  # noqa: E402
+from orcapod.bench.multiturn_report import (
     overview_table,
     turn_table,
     verdicts,
 )
-from orcapod.bench.multiturn_trace import (  # noqa: E402
+from orcapod.bench.multiturn_trace import (
     MultiturnSpec,
     make_multiturn_trace,
 )
-from orcapod.bench.run import StatsReader, SweepSettings, machine, run_sweep  # noqa: E402
-from orcapod.bench.service import benchmark_redis, orcapod_up  # noqa: E402
+from orcapod.bench.run import StatsReader, SweepSettings, machine, run_sweep
+from orcapod.bench.service import benchmark_redis, orcapod_up
 
-DEFAULT_LLAMA_CACHE = Path.home() / ".cache" / "orcapod" / "llama.cpp"
 LLAMA_CONTEXT_PER_SLOT = 2048  # the history of 8 turns is ~900 tokens
 LLAMA_READY_TIMEOUT_S = 120.0
 SETTLE_S = 3.0  # between services, so the last one's processes have left the cores
@@ -125,21 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--up-arg", action="append", default=[], help="an extra flag of every `orcapod up`"
     )
-    parser.add_argument("--llama-cache-dir", type=Path, default=DEFAULT_LLAMA_CACHE)
-    parser.add_argument(
-        "--llama-threads",
-        type=int,
-        default=1,
-        help="llama-server -t (at 2 on 2 cores it stalls beside the client: "
-        "docs/history/benchmarks-notebook.md, AIPerf)",
-    )
+    add_llama_arguments(parser)
     parser.add_argument(
         "--llama-slots", type=int, help="llama-server -np (default: one per conversation)"
     )
     parser.add_argument("--orca-duration", type=float, default=0.0, help="s of Orca-trace arrivals")
     parser.add_argument("--orca-rate", type=float, default=0.1, help="Orca-trace arrivals, req/s")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/multiturn.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "multiturn.json")
     return parser
 
 
@@ -195,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(SETTLE_S)
     if LLAMA_SERVER in names:
         if not binaries(llama_cache_dir)["llama-server"].exists():
-            note = f"no llama-server in {llama_cache_dir} (python bench/llama_cpp.py --build-only)"
+            note = f"no llama-server in {llama_cache_dir} ({BUILD_COMMAND})"
             log(f"skipping llama-server: {note}")
             document["skipped"][LLAMA_SERVER] = note
         else:
@@ -213,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                 summaries[LLAMA_SERVER] = measure(endpoint, trace, progress=progress) | {
                     "slots": slots, "threads": args.llama_threads,
                 }  # fmt: skip
-    document["machine"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+    document["machine"]["loadavg_1m_after"] = loadavg_1m()
     document["runs"] = summaries
     document["orca_runs"] = orca_runs
     lines = []
@@ -233,8 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     if lines:
         print()
         print("\n".join(lines))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=1))
+    write_json(args.out, document, indent=1)
     print(f"\nwrote {args.out} (logs in {logs}/)")
 
 

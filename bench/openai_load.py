@@ -1,6 +1,6 @@
 """An independent load tool (NVIDIA's AIPerf) and ``orcapod bench`` on the same load, one table.
 
-    python bench/openai_load.py [--url http://127.0.0.1:PORT] [--api-key KEY]
+    python -m bench.openai_load [--url http://127.0.0.1:PORT] [--api-key KEY]
                                 [--peer-url http://127.0.0.1:PORT2 | --llama-server]
                                 [--rate 0.3] [--duration 60] [--prompt-tokens 128]
                                 [--output-tokens 64] [--endpoint completions|chat]
@@ -62,15 +62,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.llama_cpp import llama_server, log, machine  # noqa: E402
+from bench.child_process import REPO_ROOT
+from bench.llama_server import add_llama_arguments, llama_server
+from bench.machine import loadavg_1m, lscpu_machine
+from bench.output import RESULTS_DIR, log, write_json
 
 AIPERF_VERSION = "0.13.0"
 DEFAULT_VENV = Path.home() / ".cache" / "orcapod" / "loadtool-venv"
 DEFAULT_TOKENIZER = Path.home() / ".cache" / "orcapod" / "models" / "SmolLM2-135M-Instruct"
-DEFAULT_LLAMA_CACHE = Path.home() / ".cache" / "orcapod" / "llama.cpp"
 CLOSED_HUB = "http://127.0.0.1:9"  # discard port: nothing listens, a look-up fails at once
 SETTLE_S = 5.0  # between runs, so the previous run's work has left the engine
 LLAMA_SLOTS, LLAMA_CONTEXT = 8, 8192  # 1,024 tokens per slot
@@ -351,7 +350,9 @@ def run_orcapod_bench(
     log("orcapod bench -> orcapod ...")
     started = time.monotonic(), _children_cpu_s()
     with (results / "orcapod-bench.log").open("wb") as log_file:
-        subprocess.run(command, check=True, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        subprocess.run(
+            command, check=True, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT
+        )
     summary = parse_orcapod_bench(json.loads(out.read_text()), args.name, load.output_tokens)
     return _run_entry(summary, command, started, args.api_key)
 
@@ -373,7 +374,7 @@ def _run_entry(
         "wall_s": round(wall_s, 1),
         # The load generator's own CPU: it shares the 2 cores with the service.
         "client_cpu_s": round(_children_cpu_s() - started[1], 1),
-        "loadavg_1m_after": round(os.getloadavg()[0], 2),  # other work on the machine
+        "loadavg_1m_after": loadavg_1m(),  # other work on the machine
     }
 
 
@@ -389,14 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--llama-server", action="store_true", help="start llama-server as the peer"
     )
-    parser.add_argument(
-        "--llama-threads",
-        type=int,
-        default=1,
-        help="llama-server -t (at 2 on 2 cores it stalls beside the client: "
-        "docs/history/benchmarks-notebook.md, AIPerf)",
-    )
-    parser.add_argument("--llama-cache-dir", type=Path, default=DEFAULT_LLAMA_CACHE)
+    add_llama_arguments(parser)
     parser.add_argument("--rate", type=float, default=Load.rate_rps, help="Poisson arrivals, req/s")
     parser.add_argument("--duration", type=float, default=Load.duration_s, help="s of arrivals")
     parser.add_argument("--grace", type=float, default=Load.grace_s, help="s to wait after")
@@ -407,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--tool-venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--skip-orcapod-bench", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/openai_load.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "openai_load.json")
     parser.add_argument("--name", default="orcapod", help="--url's name in the table")
     args = parser.parse_args(argv)
     if args.peer_url and args.llama_server:
@@ -423,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     results = args.out.with_suffix("")  # logs and the tools' own files
     results.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
-        "machine": machine(),
+        "machine": lscpu_machine(),
         "load": asdict(load),
         "endpoint": args.endpoint,
         "tokenizer": str(args.tokenizer),
@@ -446,12 +440,11 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             target = "llama-server" if args.llama_server else args.peer_name
             runs.append(run_aiperf(args, aiperf, peer.rstrip("/"), target, load, results))
-    document["machine"]["loadavg_1m_after"] = f"{os.getloadavg()[0]:.2f}"
+    document["machine"]["loadavg_1m_after"] = f"{loadavg_1m():.2f}"
     document["runs"] = [entry for _, entry in runs]
     print()
     print(table([summary for summary, _ in runs]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=1))
+    write_json(args.out, document, indent=1)
     print(f"\nwrote {args.out} (the tools' own files: {results}/)")
 
 

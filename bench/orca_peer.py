@@ -1,7 +1,7 @@
 """The Orca trace through ``orcapod up`` and through llama.cpp's ``llama-server``,
 side by side in one run, on the same machine and the same client.
 
-    python bench/orca_peer.py [--rates 0.5,1,1.5,2,3] [--duration 60]
+    python -m bench.orca_peer [--rates 0.5,1,1.5,2,3] [--duration 60]
                               [--formats Q4_1,Q8_0] [--slots 16] [--threads 2]
                               [--cache-dir ~/.cache/orcapod/llama.cpp]
                               [--out bench/results/orca_peer.json]
@@ -30,16 +30,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.llama_cpp import binaries, llama_server, log, packaged_gguf, quantized
+from bench.llama_cpp_build import (
+    BUILD_COMMAND,
+    DEFAULT_CACHE_DIR,
+    binaries,
+    is_built,
+    packaged_gguf,
+    quantized,
+)
+from bench.llama_server import llama_server
+from bench.machine import loadavg_1m
+from bench.output import RESULTS_DIR, log, write_json
 from orcapod.bench.multiturn import Endpoint, http_base_url
 from orcapod.bench.openai_trace import replay, summarize
 from orcapod.bench.run import machine
@@ -61,11 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", type=int, default=16, help="llama-server -np")
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t")
     parser.add_argument("--up-arg", action="append", default=[], help="a flag of `orcapod up`")
-    parser.add_argument(
-        "--cache-dir", type=Path, default=Path.home() / ".cache" / "orcapod" / "llama.cpp"
-    )
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/orca_peer.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "orca_peer.json")
     return parser
 
 
@@ -114,10 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
     cache_dir = args.cache_dir.expanduser()
+    if not is_built(cache_dir):
+        raise SystemExit(f"llama.cpp is not built in {cache_dir}: {BUILD_COMMAND}")
     paths = binaries(cache_dir)
-    if not all(path.exists() for path in paths.values()):
-        raise SystemExit(f"llama.cpp is not built in {cache_dir}: python bench/llama_cpp.py "
-                         "--build-only")  # fmt: skip
     logs = args.out.with_suffix("")
     logs.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {"machine": machine(), "settings": {
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         with llama_server(cache_dir, args.threads, args.slots, args.slots * CONTEXT_PER_SLOT,
                           logs / f"llama-server-{kind}.log", model=model) as url:  # fmt: skip
             results[name] = sweep(Endpoint(name, url), rates, args)
-    document["machine"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+    document["machine"]["loadavg_1m_after"] = loadavg_1m()
     document["runs"] = results
     ours = saturation(results["orcapod"])
     peers = {name: saturation(runs) for name, runs in results.items() if name != "orcapod"}
@@ -154,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"(target {TARGET_RATIO}x)")  # fmt: skip
         print(line)
         document["verdict"] = line
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=1))
+    write_json(args.out, document, indent=1)
     print(f"\nwrote {args.out} (logs in {logs}/)")
 
 

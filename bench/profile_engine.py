@@ -1,6 +1,6 @@
 """Where an engine step's time goes on the CPU: matmuls, attention, pointwise ops, host work.
 
-    python bench/profile_engine.py [--model DIR] [--scenarios decode_b1,decode_b64,prefill,mixed]
+    python -m bench.profile_engine [--model DIR] [--scenarios decode_b1,decode_b64,prefill,mixed]
                                    [--context 512] [--weights F] [--compile-decode]
                                    [--no-py-spy] [--out FILE.json]
 
@@ -48,9 +48,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -58,12 +55,9 @@ import tempfile
 import time
 import types
 from collections.abc import Callable
-from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +65,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import gpu_worker.attention as attention_module
 import gpu_worker.engine as engine_module
+from bench.child_process import child_environment, module_argv
+from bench.engine_plans import BLOCK_SIZE, SAMPLING, release_plan, rewind
+from bench.machine import lscpu_machine
+from bench.output import RESULTS_DIR, log, write_json
+from bench.timing import times_s
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
@@ -78,11 +77,9 @@ from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import grant_free_blocks, step_alone
 from gpu_worker.model_loading import load_model
 from gpu_worker.weights import random_weights
-from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
+from shared.messages import PrefillChunk, RequestSpec, StepPlan
 from shared.settings import WEIGHT_FORMATS, model_location
 
-BLOCK_SIZE = 16
-SAMPLING = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
 SCENARIOS = ("decode_b1", "decode_b64", "prefill", "mixed")
 PREFILL_LEN = 512
 MIXED_CHUNK = 256
@@ -227,11 +224,10 @@ class Scenarios:
 
     def rewind(self, request_ids: list[str]) -> None:
         # Each timed decode rewrites position context - 1 and attends context keys.
-        for request_id in request_ids:
-            self.engine._requests[request_id].num_cached_tokens = self.context - 1
+        rewind(self.engine, request_ids, self.context - 1)
 
     def release(self, request_id: str) -> None:
-        self.engine.step(StepPlan("profile", 0, 0, released_request_ids=[request_id]))
+        self.engine.step(release_plan([request_id]))
 
     def step_and_reset(self, name: str) -> tuple[Callable[[], object], Callable[[], None]]:
         """The step of scenario ``name`` and what restores the engine before it."""
@@ -268,24 +264,10 @@ class Scenarios:
         raise ValueError(f"unknown scenario {name!r}")
 
 
-def timed_steps(
-    run: Callable[[], object], reset: Callable[[], None], num_steps: int
-) -> list[float]:
-    """Seconds of ``num_steps`` steps after one warm-up, each after ``reset``."""
-    times = []
-    for index in range(num_steps + 1):
-        reset()
-        started = time.perf_counter()
-        run()
-        if index:
-            times.append(time.perf_counter() - started)
-    return times
-
-
 def region_breakdown(scenarios: Scenarios, name: str) -> dict[str, Any]:
     run, reset = scenarios.step_and_reset(name)
     num_steps = STEPS[name]
-    plain_s = statistics.median(timed_steps(run, reset, num_steps))
+    plain_s = statistics.median(times_s(run, num_steps, reset))
     timer = RegionTimer()
     undo = instrument(scenarios.engine, timer)
     try:
@@ -353,14 +335,13 @@ def py_spy_breakdown(
     py_spy = Path(sys.executable).with_name("py-spy")
     if not py_spy.exists():
         return {"error": f"py-spy not found beside {sys.executable} (pip install py-spy)"}
-    script = str(Path(__file__).resolve())
-    child_args = [sys.executable, script, "--loop", name, "--context", str(context),
-                  "--weights", weight_format]  # fmt: skip
+    child_args = ["--loop", name, "--context", str(context), "--weights", weight_format]
     if compile_decode:
         child_args.append("--compile-decode")
     child = subprocess.Popen(
-        [*child_args, "--model", str(model_dir)], stdout=subprocess.PIPE, text=True
-    )
+        module_argv("bench.profile_engine", *child_args, "--model", str(model_dir)),
+        stdout=subprocess.PIPE, text=True, env=child_environment(),
+    )  # fmt: skip
     try:
         assert child.stdout is not None
         if child.stdout.readline().strip() != "ready":
@@ -439,21 +420,6 @@ def loop_forever(
         run()
 
 
-def machine() -> dict[str, str]:
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "threads": str(torch.get_num_threads()), "date": date.today().isoformat()}  # fmt: skip
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return info
-    for line in lscpu.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("Model name", "Flags", "CPU(s)"):
-            info[key.strip()] = value.strip()
-    info["loadavg_1m"] = f"{os.getloadavg()[0]:.2f}"
-    return info
-
-
 def print_tables(results: dict[str, Any]) -> None:
     names = list(results["scenarios"])
     print("\n### Step breakdown (wall clock, exclusive time per step)\n")
@@ -515,7 +481,7 @@ def main() -> None:
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--no-narrow", action="store_true", help="skip the narrow-twin decode")
     parser.add_argument("--loop", choices=SCENARIOS, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/profile_engine.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "profile_engine.json")
     args = parser.parse_args()  # fmt: skip
     torch.set_num_threads(args.threads)
     model_dir = model_location(model_dir=args.model).model_dir
@@ -525,18 +491,19 @@ def main() -> None:
     started = time.perf_counter()
     model = load_model(model_dir, "cpu", "float32", args.weights)
     scenarios = Scenarios(model, args.context, args.compile_decode)
-    results: dict[str, Any] = {"machine": machine(), "model_dir": str(model_dir),
+    results: dict[str, Any] = {"machine": lscpu_machine(with_torch=True),
+                               "model_dir": str(model_dir),
                                "context": args.context, "weights": args.weights,
                                "scenarios": {}}  # fmt: skip
     for name in args.scenarios.split(","):
-        print(f"profiling {name} ...", file=sys.stderr, flush=True)
+        log(f"profiling {name} ...")
         entry = {
             "regions": region_breakdown(scenarios, name),
             "aten": aten_breakdown(scenarios, name),
         }
         results["scenarios"][name] = entry
     if not args.no_narrow:
-        print("profiling decode_b1 of the narrow twin ...", file=sys.stderr, flush=True)
+        log("profiling decode_b1 of the narrow twin ...")
         narrow = Scenarios(narrow_twin(model), args.context)
         results["scenarios"]["decode_b1_narrow"] = {
             "regions": region_breakdown(narrow, "decode_b1"),
@@ -546,14 +513,13 @@ def main() -> None:
     if not args.no_py_spy:
         del scenarios, model  # one process at a time on the two cores
         for name in [n for n in results["scenarios"] if n in SCENARIOS]:
-            print(f"py-spy {name} ...", file=sys.stderr, flush=True)
+            log(f"py-spy {name} ...")
             results["scenarios"][name]["py_spy"] = py_spy_breakdown(
                 model_dir, args.context, name, args.weights, args.compile_decode
             )
     results["wall_s"] = time.perf_counter() - started
     print_tables(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
     print(f"\nwrote {args.out} ({results['wall_s']:.0f} s)")
 
 

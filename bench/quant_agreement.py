@@ -1,6 +1,6 @@
 """Packed weights (``--weights float16`` / ``int4``) against fp32: agreement and step times.
 
-    python bench/quant_agreement.py [--model DIR] [--formats float16]
+    python -m bench.quant_agreement [--model DIR] [--formats float16]
                                     [--max-tokens 64] [--quick] [--out FILE.json]
 
 On the packaged SmolLM2 (CPU, 2 threads, the ``cpu`` attention backend), for
@@ -32,22 +32,27 @@ Prints a table and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import sys
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 import transformers
 
-from bench.engine import median_s, prefill_plan, release_plan, rewind
-from bench.profile_engine import machine
+from bench.engine_plans import (
+    BLOCK_SIZE,
+    decode_plan,
+    prefill_in_groups,
+    prefill_plan,
+    release_plan,
+    rewind,
+)
+from bench.machine import lscpu_machine
+from bench.output import RESULTS_DIR, write_json
+from bench.timing import in_turns, median_s
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
@@ -65,9 +70,7 @@ from gpu_worker.weights import load_weights
 from shared.messages import PrefillChunk, RequestSpec, SamplingParams, StepPlan
 from shared.settings import model_location
 
-BLOCK_SIZE = 16
 CPU = torch.device("cpu")
-FILL_GROUP = 8  # requests per prefill step while filling the decode batch
 PREFILL_TOKENS = 512
 PROMPTS = [
     "What is the capital of France?",
@@ -180,12 +183,9 @@ def fill(engine: Engine, num_requests: int, context: int) -> list[str]:
     rng = random.Random(0)
     vocab = engine.model.config.vocab_size
     request_ids = [f"r{i}" for i in range(num_requests)]
-    for start in range(0, num_requests, FILL_GROUP):
-        prompts = {
-            rid: [rng.randrange(3, vocab) for _ in range(context - 1)]
-            for rid in request_ids[start : start + FILL_GROUP]
-        }
-        step_alone(engine, prefill_plan(prompts))
+    prefill_in_groups(
+        engine, {rid: [rng.randrange(3, vocab) for _ in range(context - 1)] for rid in request_ids}
+    )
     return request_ids
 
 
@@ -196,7 +196,7 @@ def time_steps(
     512-token prefill, on an engine ``fill`` prepared."""
     times = {}
     for batch in args.batches:
-        decode = StepPlan("bench", 0, 0, decode_request_ids=request_ids[:batch])
+        decode = decode_plan(request_ids[:batch])
         restart = partial(rewind, engine, request_ids[:batch], args.context - 1)
         seconds = median_s(partial(engine.step, decode), args.steps, restart)
         times[f"decode_b{batch}_ms"] = seconds * 1e3
@@ -251,10 +251,8 @@ def interleaved_times(
     rounds, so that a neighbour's load on a shared machine falls on all of them:
     per format and step, the median and the least over rounds."""
     request_ids = {name: fill(e, max(args.batches), args.context) for name, e in engines.items()}
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
-            rounds[name].append(time_steps(engine, request_ids[name], args))
+    runs = {name: partial(time_steps, e, request_ids[name], args) for name, e in engines.items()}
+    rounds = in_turns(runs, args.rounds)
     return {
         name: {
             step: {
@@ -304,7 +302,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds, formats in turn")
     parser.add_argument("--quick", action="store_true", help="4 prompts, 8 tokens, batch 1, 8")
-    parser.add_argument("--out", default="bench/results/quant_agreement.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quant_agreement.json")
     args = parser.parse_args(argv)
     args.formats = [f for f in args.formats.split(",") if f != "float32"]
     for name in args.formats:
@@ -322,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(2)
     started = time.perf_counter()
-    info = machine()
+    info = lscpu_machine(with_torch=True)
     prompts = chat_prompts(args.model_dir, args.num_prompts)
     runs = {name: measure(args, name, prompts) for name in ["float32", *args.formats]}
     times = interleaved_times({name: run.pop("engine") for name, run in runs.items()}, args)
@@ -352,10 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "run_s": time.perf_counter() - started,
     }
     print_report(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"\n{result['run_s']:.0f} s; wrote {out}")
+    write_json(args.out, result)
+    print(f"\n{result['run_s']:.0f} s; wrote {args.out}")
     return result
 
 

@@ -1,6 +1,6 @@
 """Write random weights into a model folder that has a config and a tokenizer but no weights.
 
-    python bench/random_checkpoint.py MODEL_DIR [--dtype bfloat16] [--seed 0]
+    python -m bench.random_checkpoint MODEL_DIR [--dtype bfloat16] [--seed 0]
 
 For end-to-end speed runs on a machine that cannot hold the real checkpoint (the
 GPU machine takes 64 MiB of files, SmolLM2's weights are 270 MB): a step's time
@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from safetensors.torch import save_file

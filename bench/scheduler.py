@@ -1,6 +1,6 @@
 """Cost of one ``next_plan`` against the size of the waiting pool and the batch.
 
-    python bench/scheduler.py [--steps 300] [--prompts shared,distinct]
+    python -m bench.scheduler [--steps 300] [--prompts shared,distinct]
 
 A single worker with room for the whole batch; the pool is kept at its size by
 submitting a new request for every one that finishes; the simulated worker
@@ -19,11 +19,7 @@ import argparse
 import gc
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler_actor.config import PolicyName, SchedulerConfig
 from scheduler_actor.core import Scheduler

@@ -1,7 +1,7 @@
 """Load and soak of the whole service: 1,000 clients on one gateway, then a steady soak.
 
-    python bench/soak.py                                 # 1,000 clients, 300 s soak
-    python bench/soak.py --duration-s 20 --clients 100   # quick smoke run (make soak-quick)
+    python -m bench.soak                                 # 1,000 clients, 300 s soak
+    python -m bench.soak --duration-s 20 --clients 100   # quick smoke run (make soak-quick)
 
 Starts its own password-protected redis-server and ``orcapod up`` (one
 gateway, one worker, the embedded model), everything on 127.0.0.1, then:
@@ -39,12 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import redis.asyncio as aioredis
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
+from bench.output import RESULTS_DIR, print_checks, write_json
 from orcapod.bench.loadgen import check_loopback
 from orcapod.bench.run import StatsReader, machine
 from orcapod.bench.service import benchmark_redis, orcapod_up
@@ -393,13 +392,12 @@ def print_table(document: dict, growths: dict[str, Growth], checks: dict[str, bo
         f"{keys['used_memory_end_kib'] / 1024:.1f} MiB"
     )
     print()
-    for name, passed in checks.items():
-        print(f"{'PASS' if passed else 'FAIL'}  {name}")
+    print_checks(checks)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python bench/soak.py", description=__doc__.splitlines()[0]
+        prog="python -m bench.soak", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--clients", type=int, default=1000, help="websockets on the gateway")
     parser.add_argument("--duration-s", type=float, default=300.0, help="length of the soak")
@@ -421,7 +419,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-every-s", type=float, default=5.0)
     parser.add_argument("--burst-deadline-s", type=float, default=300.0)
     parser.add_argument("--drain-s", type=float, default=120.0, help="answers after the soak")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/soak"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "soak")
     return parser
 
 
@@ -469,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"soak: hard deadline of {hard_deadline_s:.0f} s reached", file=sys.stderr)
             return 1
     document, growths, checks = report(burst_result, soak_result, sampler, args)
-    (args.out / "soak.json").write_text(json.dumps(document, indent=1))
+    write_json(args.out / "soak.json", document, indent=1)
     print_table(document, growths, checks)
     print(f"\nwrote {args.out / 'soak.json'}")
     return 0 if all(checks.values()) else 1

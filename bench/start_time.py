@@ -1,6 +1,6 @@
 """How soon ``orcapod up`` answers after it starts: an empty cache folder, then a restart.
 
-    python bench/start_time.py [--restarts 2] [--out FILE.json] [-- UP ARGS...]
+    python -m bench.start_time [--restarts 2] [--out FILE.json] [-- UP ARGS...]
 
 A fresh cache folder (``ORCAPOD_CACHE_DIR``) holds only the prepared model
 (linked from the usual cache folder, as ``orcapod model prepare`` would
@@ -32,9 +32,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.llama_cpp import machine
+from bench.machine import lscpu_machine
+from bench.output import RESULTS_DIR, write_json
 from orcapod.embedded_redis import free_loopback_port
 from shared.settings import model_location
 
@@ -126,7 +125,7 @@ def _wait_for_line(log_path: Path, marker: str, deadline: float) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--restarts", type=int, default=2, help="starts on the warm folder")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/start_time.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "start_time.json")
     parser.add_argument("--logs", type=Path, help="keep each start's log in this folder")
     parser.add_argument("up_args", nargs="*", help="after --: arguments for orcapod up")
     args = parser.parse_args()
@@ -146,10 +145,7 @@ def main() -> None:
     print("|---|---:|---:|")
     for run in runs:
         print(f"| {run['start']} | {run['first_answer_s']} | {run['all_paths_live_s']} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"machine": machine(), "up_args": args.up_args, "runs": runs}, indent=2)
-    )
+    write_json(args.out, {"machine": lscpu_machine(), "up_args": args.up_args, "runs": runs})
     print(f"\nwrote {args.out}")
 
 

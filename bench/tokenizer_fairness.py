@@ -1,7 +1,7 @@
 """One tenant flooding the tokenizer against another tenant's small requests.
 
-    python bench/tokenizer_fairness.py                     # 30 s per phase
-    python bench/tokenizer_fairness.py --duration-s 10     # quick
+    python -m bench.tokenizer_fairness                     # 30 s per phase
+    python -m bench.tokenizer_fairness --duration-s 10     # quick
 
 Starts its own redis-server and ``orcapod up`` (one gateway, one worker, the
 embedded model, everything on 127.0.0.1) with a tenants file of two tenants:
@@ -43,7 +43,6 @@ import multiprocessing
 import os
 import secrets
 import statistics
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,10 +50,9 @@ from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from websockets.asyncio.client import ClientConnection, connect
 
+from bench.output import RESULTS_DIR, print_checks, write_json
 from gateway.tenants import hash_key
 from orcapod.bench.loadgen import check_loopback
 from orcapod.bench.run import machine
@@ -336,8 +334,7 @@ def print_table(document: dict[str, Any], checks: dict[str, bool]) -> None:
         print(f"burst of {settings['burst']} at once: {result['burst']}")
     print(f"machine: {document['machine']['cpu']}, {document['machine']['cores']} cores")
     print()
-    for name, passed in checks.items():
-        print(f"{'PASS' if passed else 'FAIL'}  {name}")
+    print_checks(checks)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -358,7 +355,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="one more argument for orcapod up, e.g. --up-arg=--gateway-arg=--max-tokenizing=64",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/tokenizer_fairness"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "tokenizer_fairness")
     return parser
 
 
@@ -397,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     checks = checks_of(document["result"], args)
     document["checks"] = checks
-    (args.out / "tokenizer_fairness.json").write_text(json.dumps(document, indent=1))
+    write_json(args.out / "tokenizer_fairness.json", document, indent=1)
     print_table(document, checks)
     print(f"\nwrote {args.out / 'tokenizer_fairness.json'}")
     return 0 if all(checks.values()) else 1

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 # float16's bytes, for the project's kernel, whose fp32 arithmetic is the same
 # for a row alone or in a batch of any size (a request's answer does not
 # depend on what runs beside it). Measured on 2 cores, q4_1 against float16:
-# a lone decode 1.19x float16's speed (1.11x held to AVX2), a step of 64
+# a lone decode 1.2-1.3x float16's speed (1.1x held to AVX2), a step of 64
 # decodes and a 512-token prefill no slower; every greedy answer of
 # bench/quant_agreement.py's chats but one identical to float32's (float16:
 # all), its first-step logits closer to float32's than float16's. A checkpoint

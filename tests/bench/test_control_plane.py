@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from redis._parsers.helpers import parse_info
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "control_plane.py"
+import bench.control_plane as cp
+
 WORKER = "worker-0"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_control_plane", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # The dataclasses of a module loaded by path look themselves up in sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cp = _load()
 
 COMMANDSTATS_BEFORE = (
     "# Commandstats\r\n"

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
+from bench import engine as engine_bench
 
 
 def test_quick_run_writes_results_and_a_positive_cost_model(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "engine.json"
 
     # Uncompiled: the compiled decodes are tests/gpu_worker's (a compile here is 20 s).
     argv = ["--quick", "--config", "tiny", "--dtype", "float32", "--no-compile-decode"]
-    bench.main([*argv, "--out", str(out)])
+    engine_bench.main([*argv, "--out", str(out)])
 
     result = json.loads(out.read_text())
     assert {"machine", "results", "overhead", "targets", "cost_model"} <= result.keys()

@@ -3,24 +3,11 @@ result files, and the commands both get for one load (the runs themselves are by
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "openai_load.py"
-
-
-@pytest.fixture(scope="module")
-def openai_load():
-    spec = importlib.util.spec_from_file_location("bench_openai_load", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+import bench.openai_load as openai_load
 
 
 def _ms(p50: float, p99: float) -> dict:
@@ -42,7 +29,7 @@ AIPERF_EXPORT = {
 }
 
 
-def test_aiperf_summary_in_seconds_with_errors_from_the_error_summary(openai_load) -> None:
+def test_aiperf_summary_in_seconds_with_errors_from_the_error_summary() -> None:
     summary = openai_load.parse_aiperf(AIPERF_EXPORT, "orcapod")
 
     assert (summary.tool, summary.target) == ("aiperf 0.13.0", "orcapod")
@@ -55,7 +42,7 @@ def test_aiperf_summary_in_seconds_with_errors_from_the_error_summary(openai_loa
     assert summary.mean_output_tokens == 64.0 and summary.cached_prompt_pct == 0.0
 
 
-def test_aiperf_summary_without_streamed_metrics(openai_load) -> None:
+def test_aiperf_summary_without_streamed_metrics() -> None:
     document = {k: v for k, v in AIPERF_EXPORT.items() if k not in ("inter_token_latency",)}
 
     summary = openai_load.parse_aiperf(document, "peer")
@@ -74,7 +61,7 @@ def _orcapod_bench(rps: float, tok_s: float) -> dict:
     return {"machine": {}, "settings": {}, "runs": [{"client": client}]}
 
 
-def test_orcapod_bench_e2e_is_normalized_latency_times_the_exact_length(openai_load) -> None:
+def test_orcapod_bench_e2e_is_normalized_latency_times_the_exact_length() -> None:
     summary = openai_load.parse_orcapod_bench(_orcapod_bench(0.25, 16.0), "orcapod", 64)
 
     assert (summary.num_completed, summary.num_errors) == (5, 1)
@@ -85,14 +72,14 @@ def test_orcapod_bench_e2e_is_normalized_latency_times_the_exact_length(openai_l
     assert summary.tpot_s is None
 
 
-def test_orcapod_bench_e2e_left_out_when_a_request_stopped_early(openai_load) -> None:
+def test_orcapod_bench_e2e_left_out_when_a_request_stopped_early() -> None:
     summary = openai_load.parse_orcapod_bench(_orcapod_bench(0.25, 15.0), "orcapod", 64)
 
     assert summary.e2e_s is None
     assert summary.mean_output_tokens == pytest.approx(60.0)
 
 
-def test_both_tools_get_the_same_load(openai_load, tmp_path: Path) -> None:
+def test_both_tools_get_the_same_load(tmp_path: Path) -> None:
     load = openai_load.Load(prompt_tokens=128, output_tokens=64, rate_rps=0.3, duration_s=60)
     aiperf = openai_load.aiperf_command(
         Path("aiperf"), "http://127.0.0.1:8790", "m", load, tmp_path, tmp_path / "a", api_key="k"
@@ -115,7 +102,7 @@ def test_both_tools_get_the_same_load(openai_load, tmp_path: Path) -> None:
     assert flag(ours, "--url") == "ws://127.0.0.1:8790/ws"
 
 
-def test_only_loopback_urls_are_benchmarked(openai_load) -> None:
+def test_only_loopback_urls_are_benchmarked() -> None:
     openai_load.check_loopback("http://127.0.0.1:8790")
     for url in ("http://10.0.0.1:8000", "http://example.com", "ws://127.0.0.1:8790/ws"):
         with pytest.raises(SystemExit):

@@ -4,29 +4,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+import bench.soak as soak
 from orcapod.bench import soak_samples as samples
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
-
-
-@pytest.fixture(scope="module")
-def soak():
-    spec = importlib.util.spec_from_file_location("bench_soak", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Its dataclasses look their module up by name.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def test_read_sample_sees_this_process_memory_and_a_new_fd(tmp_path: Path) -> None:
@@ -93,7 +78,7 @@ def test_service_pids_finds_the_gateway_by_port_and_its_siblings(tmp_path: Path)
         samples.service_pids(7000, redis_pid=300, proc=proc)
 
 
-def test_tally_counts_answers_errors_and_what_is_left(soak) -> None:
+def test_tally_counts_answers_errors_and_what_is_left() -> None:
     tally = soak.Tally()
     for client_id in ("a", "b", "c"):
         tally.start(client_id)
@@ -106,7 +91,7 @@ def test_tally_counts_answers_errors_and_what_is_left(soak) -> None:
     assert summary["errors"] == {"queue_full": 1}
 
 
-def test_requests_are_short_and_ignore_eos(soak) -> None:
+def test_requests_are_short_and_ignore_eos() -> None:
     frames = [json.loads(soak.generate_frame(f"r{n}", n, max_tokens=8)) for n in range(20)]
     assert {frame["max_tokens"] for frame in frames} == {4, 5, 6, 7, 8}
     assert all(frame["ignore_eos"] and frame["type"] == "generate" for frame in frames)
