@@ -22,11 +22,8 @@ times out only costs the time (the engine then compiles itself, as before).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,12 +32,13 @@ from pathlib import Path
 
 import structlog
 
+from shared.parent_death import die_with_parent
+
 _log = structlog.get_logger(__name__)
 
 # Longer than any first compile seen (int4's batch graphs: about three minutes on
 # two cores); past it the engine compiles itself.
 WARM_TIMEOUT_S = 1800.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -107,9 +105,7 @@ def warm_compile_cache(spec: WarmerSpec, num_blocks: int, block_size: int) -> No
 
 def main(argv: list[str] | None = None) -> int:
     """Compile (and check) the engine's paths for one pool shape; 0 once done."""
-    with contextlib.suppress(OSError, AttributeError):
-        # Die with the engine that started us, whatever kills it.
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()  # the engine that started us, whatever kills it
     # The engine's steps come first: its OpenMP threads wait at every barrier for
     # the slowest, which a compile beside them at the same priority keeps off a
     # core; at nice 10 the compile takes about a tenth of the CPU while steps run

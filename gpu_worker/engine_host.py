@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import functools
 import multiprocessing
 import os
@@ -40,14 +39,13 @@ import structlog
 from gpu_worker.engine_stats import EngineStats
 from gpu_worker.step_done import StepDone
 from shared.messages import StepPlan
+from shared.parent_death import die_with_parent
 from shared.settings import WorkerSettings
 
 if TYPE_CHECKING:  # torch is imported where an engine runs, not in the Redis shell
     from gpu_worker.engine import Engine, PathsChanged
 
 _log = structlog.get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 # How long an OpenMP thread of the engine spins at a barrier before it sleeps
@@ -468,9 +466,7 @@ class _PlanWriter:
 
 def engine_process_main(settings: WorkerSettings, connection: Connection) -> None:
     """The engine process: load the model, then run each plan sent until None."""
-    with contextlib.suppress(OSError, AttributeError):
-        # Die with the worker's shell, whatever kills it (kill -9 included).
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()  # the worker's shell, whatever kills it (kill -9 included)
     # The shell decides when to stop; a Ctrl-C to the group must not end us first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

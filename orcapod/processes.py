@@ -11,7 +11,6 @@ exits on its own is started again under the same name with backoff
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -23,20 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from shared.lifeline import LIFELINE_FD_ENV
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        return  # not Linux: the launcher's own shutdown still stops its children
-    if os.getppid() != parent_pid:
-        # The launcher died between the fork and the prctl: no signal will come.
-        os.kill(os.getpid(), signal.SIGKILL)
+from shared.parent_death import die_with_parent
 
 
 class _Lifeline:
@@ -81,7 +67,9 @@ def _spawn(argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[byte
         argv,
         env=child_env,
         pass_fds=(lifeline_fd,),
-        preexec_fn=partial(_die_with_parent, os.getpid()) if sys.platform == "linux" else None,
+        preexec_fn=partial(die_with_parent, signal.SIGTERM, os.getpid())
+        if sys.platform == "linux"
+        else None,
         # Its own process group: Ctrl-C in the terminal reaches only the launcher,
         # which stops the children in order (a gateway drains while workers run).
         process_group=0,
