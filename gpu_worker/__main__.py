@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ from gpu_worker.engine_host import (
     EngineThread,
     build_engine,
 )
+from gpu_worker.pipeline_layout import GroupConfigError, parse_layer_split, rendezvous_address
 from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
@@ -30,6 +32,7 @@ from shared.settings import (
     int_flag,
     kv_cache_fraction_flag,
     model_location,
+    positive_float,
     redis_settings_from_args,
 )
 
@@ -146,6 +149,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--metrics-host", default=DEFAULTS["metrics_host"], help="address of the metrics server"
     )
+    group = parser.add_argument_group(
+        "worker group",
+        "one model split into pipeline stages, one engine rank each, over torch.distributed "
+        "(gloo); rank 0 is the group's only Redis client, and to the scheduler the group is "
+        "one worker",
+    )
+    group.add_argument(
+        "--pipeline-parallel",
+        type=int_flag(1),
+        default=flag_environment_default("pipeline_parallel", DEFAULTS["pipeline_parallel"], int),
+        help="pipeline stages, each running a run of consecutive layers (default: %(default)s: "
+        "the whole model in one engine; at most the model's layers) ($ORCAPOD_PIPELINE_PARALLEL)",
+    )
+    group.add_argument(
+        "--layer-split",
+        type=_layer_split_flag,
+        help="layers of each stage, like 16,14 (default: balanced by count)",
+    )
+    group.add_argument(
+        "--group-rank",
+        type=int_flag(0),
+        default=_environment_int("RANK"),
+        help="run only this rank of the group (rank 0 talks to Redis; ranks 1 on need no "
+        "Redis) and meet the others at --rendezvous; default: every rank on this host "
+        "($RANK)",
+    )
+    group.add_argument(
+        "--rendezvous",
+        default=_rendezvous_from_environment(),
+        help="HOST:PORT where the ranks meet (rank 0 listens there; default with every rank "
+        "on this host: a free port on 127.0.0.1; else $MASTER_ADDR:$MASTER_PORT)",
+    )
+    group.add_argument(
+        "--rendezvous-timeout-s",
+        type=positive_float,
+        default=DEFAULTS["rendezvous_timeout_s"],
+        help="how long the ranks wait for each other at start (and rank 0 for the missing "
+        "ones, which it then names) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--local-ranks",
+        type=int_flag(1),
+        default=_environment_int("LOCAL_WORLD_SIZE"),
+        help="ranks of the group on this host, which share its memory and cores (default: "
+        "every rank, or 1 with --group-rank) ($LOCAL_WORLD_SIZE)",
+    )
     parser.add_argument(
         "--engine-thread",
         action="store_true",
@@ -153,6 +202,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(which keeps its Python from waiting on the Redis loop's GIL)",
     )
     return parser
+
+
+def _layer_split_flag(text: str) -> tuple[int, ...]:
+    try:
+        return parse_layer_split(text)
+    except GroupConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _environment_int(name: str) -> int | None:
+    """An integer variable of torch.distributed's launchers, if set and one."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def _rendezvous_from_environment() -> str | None:
+    """``$MASTER_ADDR:$MASTER_PORT``, as torch.distributed's launchers set them."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{address}:{port}" if address and port else None
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
@@ -163,6 +231,30 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         parser.error(
             f"$ORCAPOD_WEIGHTS: {args.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}"
         )
+    if args.pipeline_parallel < 1:  # from the environment, unchecked by argparse
+        parser.error(f"--pipeline-parallel must be at least 1, got {args.pipeline_parallel}")
+    if args.pipeline_parallel > 1 and args.engine_thread:
+        parser.error("a worker group (--pipeline-parallel above 1) runs its engines in processes")
+    if args.layer_split is not None and len(args.layer_split) != args.pipeline_parallel:
+        parser.error(
+            f"--layer-split names {len(args.layer_split)} stages but --pipeline-parallel "
+            f"is {args.pipeline_parallel}"
+        )
+    if args.group_rank is not None and args.pipeline_parallel > 1:
+        if args.group_rank >= args.pipeline_parallel:
+            parser.error(
+                f"--group-rank {args.group_rank} is outside the group's ranks 0 to "
+                f"{args.pipeline_parallel - 1}"
+            )
+        if args.rendezvous is None:
+            parser.error(
+                "--group-rank needs --rendezvous HOST:PORT (or $MASTER_ADDR and $MASTER_PORT)"
+            )
+    if args.rendezvous is not None:
+        try:
+            rendezvous_address(args.rendezvous)
+        except GroupConfigError as error:
+            parser.error(str(error))
     return WorkerSettings(
         redis=redis_settings_from_args(args),
         model=model_location(model_dir=args.model, cache_dir=args.cache_dir),
@@ -183,6 +275,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         engine_process=not args.engine_thread,
+        pipeline_parallel=args.pipeline_parallel,
+        layer_split=args.layer_split,
+        group_rank=args.group_rank,
+        rendezvous=args.rendezvous,
+        rendezvous_timeout_s=args.rendezvous_timeout_s,
+        local_ranks=args.local_ranks,
     )
 
 
@@ -202,6 +300,11 @@ async def serve(settings: WorkerSettings, host: EngineHost) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; exit status 0 after a clean shutdown."""
     settings = parse_settings(argv)
+    if settings.pipeline_parallel > 1 and settings.group_rank not in (None, 0):
+        # A stage behind the first, on a host of its own: no Redis, no shell.
+        from gpu_worker.pipeline_stage_loop import stage_process_main
+
+        return stage_process_main(settings, settings.group_rank, spawned=False)
     log = configure_logging("worker")
     log.info("loading_model", model_dir=str(settings.model.model_dir), worker_id=settings.worker_id)
     host: EngineHost

@@ -29,10 +29,10 @@ from gpu_worker.attention import AttentionBackend, default_backend_name
 from gpu_worker.block_tables import blocks_for
 from gpu_worker.compiled_decode import CompiledDecode
 from gpu_worker.engine_stats import EngineStats
-from gpu_worker.kv_cache import KVCacheBudget, PagedKVCache, kv_cache_size
+from gpu_worker.kv_cache import KVCacheBudget, KVCacheSize, PagedKVCache, kv_cache_size
 from gpu_worker.llama import LlamaModel
 from gpu_worker.path_compiler import StepPathCompiler, WarmCompileCache, held_back_blocks
-from gpu_worker.sampler import SamplingError, sample
+from gpu_worker.sampler import SamplingRow, sample_rows
 from gpu_worker.step_path import StepInputs, StepPiece, StepRunner
 from shared.messages import (
     FinishReason,
@@ -84,13 +84,46 @@ class _Work:
     samples: bool
 
 
+@dataclass
+class PreparedStep:
+    """A plan's step between ``begin_step`` and ``finish_step``: its work, flattened."""
+
+    epoch: int
+    step_index: int
+    works: list[_Work]
+    failed: list[RequestFailure]  # requests that ended on their own input, before the step
+    inputs: StepInputs
+
+    def sampling_rows(self) -> list[SamplingRow]:
+        """What the sampler needs of each request that samples in this step, in row order."""
+        return [
+            SamplingRow(
+                work.request.spec.sampling,
+                work.request.seed,
+                work.request.num_generated,
+                sorted(work.request.stop_token_ids),
+            )
+            for work in self.works
+            if work.samples
+        ]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the forward pass and the sampler made of a step: each sampling row's token
+    id, or why it could not be sampled; and the name of the step's path."""
+
+    samples: list[int | str]
+    path: str
+
+
 class Engine:
     """Runs plans on one model and one paged K/V cache."""
 
     def __init__(
         self,
         model: LlamaModel,
-        kv_budget: KVCacheBudget | None = None,
+        kv_budget: KVCacheBudget | KVCacheSize | None = None,
         attention_backend: str | None = None,
         worker_id: str = "local",
         use_cuda_graphs: bool = False,
@@ -114,13 +147,16 @@ class Engine:
         compiler's thread); ``warm_compile_cache(num_blocks, block_size)``, given, runs
         the first compile in a process of its own before the thread's own
         (``compile_cache_warmer.py``)."""
-        budget = kv_budget or KVCacheBudget()
         self.model = model
         self.worker_id = worker_id
         self.stats = EngineStats()
         self._started_s = time.perf_counter()
-        # Sized once the model is loaded: what it takes is no longer available.
-        size = kv_cache_size(model.config, budget, model.device, model.dtype)
+        if isinstance(kv_budget, KVCacheSize):  # sized by the caller (a worker group)
+            size = kv_budget
+        else:  # sized once the model is loaded: what it takes is no longer available
+            size = kv_cache_size(
+                model.config, kv_budget or KVCacheBudget(), model.device, model.dtype
+            )
         # A pool asked for below one full-context sequence serves only shorter requests.
         log = _log.info if size.num_full_sequences > 0 else _log.warning
         log("kv_cache_sized", device=str(model.device), **size.log_fields())
@@ -239,6 +275,24 @@ class Engine:
         engine's state; a request whose own input or numbers fail is dropped
         and reported in ``StepOutput.failed``, the others run.
         """
+        prepared = self.begin_step(plan)
+        if isinstance(prepared, StepOutput):
+            return prepared
+        started = time.perf_counter()
+        try:
+            outcome = self.compute(prepared)
+        except Exception:  # any fault of the forward ends its step, not the worker
+            num_requests = len(prepared.works)
+            _log.exception("step_failed", step_index=plan.step_index, num_requests=num_requests)
+            outcome = None
+        return self.finish_step(prepared, outcome, (time.perf_counter() - started) * 1000)
+
+    def begin_step(self, plan: StepPlan) -> StepOutput | PreparedStep:
+        """A plan's changes of state (releases, admissions, grants, the K/V its tokens
+        will fill) and its step flattened; a ``StepOutput`` at once where nothing runs.
+        The forward and the sampling come between this and ``finish_step``: here
+        (``compute``) or down a pipeline of stages (``pipeline_driver.py``).
+        Raises PlanError (state unchanged) as ``step``."""
         admitted, works, growth, failed = self._validate(plan)
         self._check_grants(plan, growth)
         for request_id in plan.released_request_ids:
@@ -258,33 +312,59 @@ class Engine:
                 step_index=plan.step_index,
                 failed=failed,
             )
-        started = time.perf_counter()
-        try:
-            tokens, sampling_failed, path_name = self._run(works)
-        except Exception:  # any fault of the forward ends its step, not the worker
-            _log.exception("step_failed", step_index=plan.step_index, num_requests=len(works))
-            # Their K/V may be half written: none of them can go on.
+        pieces = (
+            StepPiece(w.request.spec.request_id, w.token_ids, w.start_position, w.samples)
+            for w in works
+        )
+        inputs = StepInputs.flatten(self.kv_cache, pieces)
+        for work in works:
+            work.request.num_cached_tokens += len(work.token_ids)
+        return PreparedStep(plan.epoch, plan.step_index, works, failed, inputs)
+
+    def compute(self, prepared: PreparedStep) -> StepOutcome:
+        """The prepared step's forward pass and samples, on this engine's paths."""
+        inputs = prepared.inputs
+        with self._paths_lock:
+            path = self.paths.choose(inputs)
+            logits = self.paths.forward(inputs, path)
+        return StepOutcome(sample_rows(logits, prepared.sampling_rows()), path.name)
+
+    def finish_step(
+        self, prepared: PreparedStep, outcome: StepOutcome | None, step_ms: float
+    ) -> StepOutput:
+        """Record the step's samples (``outcome`` None: its forward failed, and so do
+        its requests, whose K/V may be half written)."""
+        works = prepared.works
+        if outcome is None:
             request_ids = [work.request.spec.request_id for work in works]
             return StepOutput(
                 worker_id=self.worker_id,
-                epoch=plan.epoch,
-                step_index=plan.step_index,
-                failed=failed + self.fail_requests(request_ids, STEP_FAILED_MESSAGE),
+                epoch=prepared.epoch,
+                step_index=prepared.step_index,
+                failed=prepared.failed + self.fail_requests(request_ids, STEP_FAILED_MESSAGE),
             )
-        step_ms = (time.perf_counter() - started) * 1000
+        tokens: list[SampledToken] = []
+        sampling_failed: list[RequestFailure] = []
+        sampling_works = [work for work in works if work.samples]
+        for work, sampled in zip(sampling_works, outcome.samples, strict=True):
+            if isinstance(sampled, str):
+                self._end(work.request.spec.request_id)
+                sampling_failed.append(RequestFailure(work.request.spec.request_id, sampled))
+            else:
+                tokens.append(self._record(work.request, sampled))
         num_new_tokens = sum(len(work.token_ids) for work in works)
         self.stats.num_steps += 1
         self.stats.num_tokens += num_new_tokens
         self.stats.busy_s += step_ms / 1000
         return StepOutput(
             worker_id=self.worker_id,
-            epoch=plan.epoch,
-            step_index=plan.step_index,
+            epoch=prepared.epoch,
+            step_index=prepared.step_index,
             tokens=tokens,
             num_new_tokens=num_new_tokens,
             step_ms=step_ms,
-            failed=failed + sampling_failed,
-            path=path_name,
+            failed=prepared.failed + sampling_failed,
+            path=outcome.path,
         )
 
     def blocks_to_grant(self, plan: StepPlan) -> dict[str, int]:
@@ -436,37 +516,6 @@ class Engine:
             raise PlanError(f"request {request_id!r} appears twice in one plan")
         seen.add(request_id)
         return known[request_id]
-
-    def _run(self, works: list[_Work]) -> tuple[list[SampledToken], list[RequestFailure], str]:
-        """The step's tokens, its requests that failed, and the name of its path."""
-        pieces = (
-            StepPiece(w.request.spec.request_id, w.token_ids, w.start_position, w.samples)
-            for w in works
-        )
-        inputs = StepInputs.flatten(self.kv_cache, pieces)
-        with self._paths_lock:
-            path = self.paths.choose(inputs)
-            logits = self.paths.forward(inputs, path)
-        for work in works:
-            work.request.num_cached_tokens += len(work.token_ids)
-        sampling_works = [work for work in works if work.samples]
-        sampled = sample(
-            logits,
-            [work.request.spec.sampling for work in sampling_works],
-            [work.request.seed for work in sampling_works],
-            [work.request.num_generated for work in sampling_works],
-            # Held back (masked) while a request is short of its min_tokens.
-            [work.request.stop_token_ids for work in sampling_works],
-        )
-        tokens: list[SampledToken] = []
-        failed: list[RequestFailure] = []
-        for work, outcome in zip(sampling_works, sampled, strict=True):
-            if isinstance(outcome, SamplingError):
-                self._end(work.request.spec.request_id)
-                failed.append(RequestFailure(work.request.spec.request_id, str(outcome)))
-            else:
-                tokens.append(self._record(work.request, outcome))
-        return tokens, failed, path.name
 
     def _record(self, request: _Request, token_id: int) -> SampledToken:
         index = request.num_generated

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -27,9 +28,11 @@ import queue
 import signal
 import socket
 import struct
+import sys
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,6 +40,7 @@ import msgspec
 import structlog
 
 from gpu_worker.engine_stats import EngineStats
+from gpu_worker.pipeline_layout import free_local_port, local_ranks
 from gpu_worker.step_done import StepDone
 from shared.messages import StepPlan
 from shared.parent_death import die_with_parent
@@ -289,11 +293,25 @@ class EngineProcess:
     """
 
     def __init__(self, settings: WorkerSettings) -> None:
+        if settings.pipeline_parallel > 1 and settings.rendezvous is None:
+            # Every rank here: they meet on this host.
+            settings = dataclasses.replace(settings, rendezvous=f"127.0.0.1:{free_local_port()}")
         self.settings = settings
         self.num_blocks = 0
         self.block_size = 0
         self.stats = EngineStats()
         self._context = multiprocessing.get_context("spawn")
+        # The stages behind the first that run on this host (a worker group's).
+        self._stage_processes = [
+            self._context.Process(
+                target=_spawned_stage_main,
+                args=(settings, rank),
+                name=f"engine-{settings.worker_id}-rank{rank}",
+                daemon=True,
+            )
+            for rank in local_ranks(settings)
+            if rank != 0
+        ]
         self._connection, child_end = self._context.Pipe(duplex=True)
         self._process = self._context.Process(
             target=engine_process_main,
@@ -316,6 +334,8 @@ class EngineProcess:
         """Spawn the engine process and wait until its model is loaded."""
         with _child_environment(engine_environment_defaults(os.environ)):
             self._process.start()
+            for process in self._stage_processes:
+                process.start()
         # multiprocessing's own exit handler would SIGTERM it (ignored: the shell
         # decides when it stops) and then join it with no limit.
         atexit.register(self._end_process, ENGINE_AT_EXIT_WAIT_S)
@@ -348,14 +368,17 @@ class EngineProcess:
             self._writer.send(_encoder.encode(None))
 
     def _end_process(self, wait_s: float) -> None:
-        """Wait up to ``wait_s`` for the engine process to end by itself, then kill it."""
-        if self._process.pid is None:
-            return
-        self._process.join(wait_s)
-        if self._process.is_alive():
-            _log.warning("engine_process_killed", pid=self._process.pid)
-            self._process.kill()
-            self._process.join(ENGINE_EXIT_WAIT_S)
+        """Wait up to ``wait_s`` for the engine process (and a group's stages here) to
+        end by themselves, then kill what is left."""
+        deadline = time.monotonic() + wait_s
+        for process in [self._process, *self._stage_processes]:
+            if process.pid is None:
+                continue
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                _log.warning("engine_process_killed", pid=process.pid)
+                process.kill()
+                process.join(ENGINE_EXIT_WAIT_S)
 
     async def run(self, stop: asyncio.Event, done: asyncio.Queue[StepDone | None]) -> None:
         """Hand every StepDone the engine process sends to ``done`` until it ends."""
@@ -484,6 +507,9 @@ def engine_process_main(settings: WorkerSettings, connection: Connection) -> Non
         with contextlib.suppress(OSError):  # the shell is gone: this process ends soon
             send(PathsInUse(paths, compiling))
 
+    if settings.pipeline_parallel > 1:
+        _serve_first_stage(settings, connection, send)
+        return
     try:
         engine = build_engine(settings, paths_changed)
     except EngineStartFailed as error:  # a setting to change: the message says it all
@@ -506,3 +532,49 @@ def engine_process_main(settings: WorkerSettings, connection: Connection) -> Non
         if job is None:
             return
         send(runner.run(job.entry_id, job.plan, job.received_at))
+
+
+def _serve_first_stage(
+    settings: WorkerSettings,
+    connection: Connection,
+    send: Callable[[EngineReady | EngineFailed | PathsInUse | StepDone], None],
+) -> None:
+    """The engine process of a worker group's rank 0: join the group, then drive its
+    pipeline (``pipeline_driver.py``); exit status 1 where a rank is lost."""
+    from gpu_worker.attention import default_backend_name
+    from gpu_worker.engine import Engine
+    from gpu_worker.pipeline_driver import PIPELINE_PATH, PipelineDriver
+    from gpu_worker.pipeline_stage import PipelineStage
+    from gpu_worker.plan_runner import PlanRunner
+    from gpu_worker.worker_group import GroupStartError, join_group
+
+    try:
+        member = join_group(settings, 0)
+        engine = Engine(
+            member.model, member.kv_size, settings.attention_backend, worker_id=settings.worker_id
+        )
+    except GroupStartError as error:  # every rank was told the same
+        _log.error("group_failed_to_start", rank=0, error=str(error))
+        send(EngineFailed(str(error)))
+        return
+    except Exception as error:
+        _log.exception("engine_failed_to_start")
+        send(EngineFailed(str(error)))
+        return
+    send(PathsInUse([PIPELINE_PATH], False))
+    send(EngineReady(engine.num_blocks, engine.block_size))
+    backend_name = settings.attention_backend or default_backend_name(member.model.device)
+    stage = PipelineStage(member.model, engine.kv_cache, backend_name, first=True, last=False)
+    driver = PipelineDriver(PlanRunner(engine, settings.worker_id), member, stage, send)
+    try:
+        driver.serve(connection, _JOB.decode)
+    except Exception as error:  # a rank is gone (gloo's wait broke): the group is lost
+        _log.error("worker_group_lost", rank=0, error=str(error).splitlines()[0])
+        sys.exit(1)
+
+
+def _spawned_stage_main(settings: WorkerSettings, rank: int) -> None:
+    """A stage behind the first, spawned by this host's shell (``pipeline_stage_loop.py``)."""
+    from gpu_worker.pipeline_stage_loop import stage_process_main
+
+    sys.exit(stage_process_main(settings, rank))

@@ -76,12 +76,35 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The selected rows' final hidden states, normed: ``[len(logits_rows), hidden]``
         (everything of ``forward`` but the LM head)."""
+        hidden = self.embed(token_ids)
+        hidden, delta = self.run_layers(
+            hidden, None, positions, slot_mapping, kv_cache, backend, attention_plan
+        )
+        return self.final_rows(hidden, delta, logits_rows)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings: ``[T, hidden]`` (the first pipeline stage's start)."""
+        return self.weights.embed_tokens[token_ids]
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: PagedKVCache,
+        backend: AttentionBackend,
+        attention_plan: object,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer of ``self.weights`` over the residual stream ``hidden + delta``
+        (``delta`` None: nothing to add yet), which comes out the same way: each add
+        is fused into the next norm, so a pipeline stage hands on both halves and the
+        next one goes on with exactly the ops of one whole forward. Undecorated, as
+        ``embed`` and ``final_rows``: a compiled graph traces them under no_grad
+        (``compiled_decode.py``); callers outside ``final_hidden`` hold inference mode."""
         config, ops, eps = self.config, self.pointwise, self.config.rms_norm_eps
         rotary_inputs = ops.rotary_inputs(self.rotary, positions)
-        hidden = self.weights.embed_tokens[token_ids]  # [T, hidden]
         write_kv = kv_writer(backend)
-        # The residual stream is hidden + delta: each add is fused into the next norm.
-        delta: torch.Tensor | None = None
         for index, layer in enumerate(self.weights.layers):
             hidden, x = ops.add_rms_norm(hidden, delta, layer.input_norm, eps)
             qkv = linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
@@ -94,6 +117,15 @@ class LlamaModel:
             delta = linear(attended.reshape(len(query), -1), layer.o_proj)
             hidden, x = ops.add_rms_norm(hidden, delta, layer.post_attention_norm, eps)
             delta = linear(ops.silu_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
+        return hidden, delta
+
+    def final_rows(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, logits_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The selected rows of the residual stream, added up and normed by the final norm."""
         rows_delta = None if delta is None else delta[logits_rows]
-        _, last = ops.add_rms_norm(hidden[logits_rows], rows_delta, self.weights.final_norm, eps)
+        eps = self.config.rms_norm_eps
+        _, last = self.pointwise.add_rms_norm(
+            hidden[logits_rows], rows_delta, self.weights.final_norm, eps
+        )
         return last

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import msgspec
 import structlog
 
-from gpu_worker.engine import STEP_FAILED_MESSAGE, Engine, PlanError
+from gpu_worker.engine import (
+    STEP_FAILED_MESSAGE,
+    Engine,
+    PlanError,
+    PreparedStep,
+    StepOutcome,
+)
 from gpu_worker.step_done import EngineCounters, GatewayFailure, StepDone
 from shared.messages import (
     RequestFailure,
@@ -35,6 +42,17 @@ from shared.messages import (
 SUMMARY_EVERY_STEPS = 200
 
 _log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StartedPlan:
+    """A plan past its fences and ``Engine.begin_step``, its forward pass to come."""
+
+    entry_id: bytes
+    plan: StepPlan
+    received_at: float
+    started_at: float
+    prepared: PreparedStep
 
 
 class PlanRunner:
@@ -52,14 +70,55 @@ class PlanRunner:
         self._num_steps = 0
 
     def run(self, entry_id: bytes, plan: StepPlan, received_at: float) -> StepDone:
-        """Run one plan (read at ``received_at``); never raises for what a plan
-        holds: anything unexpected fails the plan's requests."""
+        """Run one plan (read at ``received_at``) on this engine; never raises for
+        what a plan holds: anything unexpected fails the plan's requests."""
+        started = self.start(entry_id, plan, received_at)
+        if isinstance(started, StepDone):
+            return started
+        begun_s = time.perf_counter()
+        try:
+            outcome = self.engine.compute(started.prepared)
+        except Exception:  # any fault of the forward ends its step, not the worker
+            _log.exception(
+                "step_failed",
+                step_index=plan.step_index,
+                num_requests=len(started.prepared.works),
+            )
+            outcome = None
+        return self.finish(started, outcome, (time.perf_counter() - begun_s) * 1000)
+
+    def start(self, entry_id: bytes, plan: StepPlan, received_at: float) -> StepDone | StartedPlan:
+        """A plan's fences and changes of state; its ``StepDone`` at once where no
+        forward pass runs (stale, refused, nothing to compute), else the step to
+        compute and hand to ``finish``: here (``run``) or down a pipeline."""
         started_at = time.time()
         try:
-            done = self._run_plan(entry_id, plan)
-        except Exception:  # a bug or a device fault: this plan's requests end, the worker goes on
+            begun = self._begin_plan(entry_id, plan)
+        except Exception:  # a bug: this plan's requests end, the worker goes on
             _log.exception("plan_failed", step_index=plan.step_index, epoch=plan.epoch)
-            done = self._fail_plan(entry_id, plan)
+            begun = self._fail_plan(entry_id, plan)
+        if isinstance(begun, PreparedStep):
+            return StartedPlan(entry_id, plan, received_at, started_at, begun)
+        if isinstance(begun, StepOutput):
+            begun = self._routed(entry_id, plan, begun)
+        return self._stamped(begun, plan, received_at, started_at)
+
+    def finish(self, started: StartedPlan, outcome: StepOutcome | None, step_ms: float) -> StepDone:
+        """A started plan's ``StepDone`` from what its forward and sampler made of it
+        (``outcome`` None: the forward failed, and so do the step's requests)."""
+        plan = started.plan
+        try:
+            output = self.engine.finish_step(started.prepared, outcome, step_ms)
+            done = self._routed(started.entry_id, plan, output)
+        except Exception:  # a bug: this plan's requests end, the worker goes on
+            _log.exception("plan_failed", step_index=plan.step_index, epoch=plan.epoch)
+            done = self._fail_plan(started.entry_id, plan)
+        return self._stamped(done, plan, started.received_at, started.started_at)
+
+    def _stamped(
+        self, done: StepDone, plan: StepPlan, received_at: float, started_at: float
+    ) -> StepDone:
+        """``done`` with its step's timing (where it computed tokens) and the engine's counters."""
         output = done.output
         if output is not None and output.num_new_tokens:
             timing = StepTiming(
@@ -107,7 +166,10 @@ class PlanRunner:
             failures=failures,
         )
 
-    def _run_plan(self, entry_id: bytes, plan: StepPlan) -> StepDone:
+    def _begin_plan(self, entry_id: bytes, plan: StepPlan) -> StepDone | StepOutput | PreparedStep:
+        """The epoch and order fences, then the engine's ``begin_step``: a dead letter's
+        ``StepDone`` (stale or refused), the output of a step that runs nothing, or
+        the step to compute."""
         if plan.epoch < self.epoch:
             # No scheduler waits for it: no output, only the dead letter.
             _log.info("stale_plan_skipped", step_index=plan.step_index, epoch=plan.epoch)
@@ -122,8 +184,7 @@ class PlanRunner:
                     "plans must come in the order they were made"
                 )
             plan = self._release_stale_admissions(plan)
-            output = self.engine.step(plan)
-            step_end_s = time.perf_counter()
+            begun = self.engine.begin_step(plan)
         except PlanError as error:
             # Refused whole, state unchanged; the empty output tells the scheduler
             # the step ran nothing, so it plans those requests again.
@@ -140,6 +201,11 @@ class PlanRunner:
             gateway_ids.pop(request_id, None)
         for spec in plan.new_requests:
             gateway_ids[spec.request_id] = spec.gateway_id
+        return begun
+
+    def _routed(self, entry_id: bytes, plan: StepPlan, output: StepOutput) -> StepDone:
+        """The step's ``StepDone``: its tokens and failures by gateway."""
+        gateway_ids = self._gateway_ids
         batches: dict[str, list[SampledToken]] = defaultdict(list)
         for token in output.tokens:
             if token.finish_reason is None:
@@ -157,6 +223,7 @@ class PlanRunner:
         self._summarize(output)
         step_gap_s = None
         if output.num_new_tokens:
+            step_end_s = time.perf_counter()
             # Wall time between this forward pass and the previous one: the
             # control plane's share (plan wait, bookkeeping outside the forward).
             if self._last_step_end_s is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+import msgspec
 import torch
 
 from shared.messages import GREEDY_TEMPERATURE_EPSILON, SamplingParams
@@ -127,3 +128,27 @@ def sample(
         generator = torch.Generator(device=logits.device).manual_seed(mix_seed(seed, index))
         token_ids[row] = int(torch.multinomial(probabilities, 1, generator=generator))
     return token_ids
+
+
+class SamplingRow(msgspec.Struct, frozen=True, array_like=True):
+    """What the sampler needs of one row: its request's parameters and seed, its
+    generation index, and the ids that would end it (a Struct: a pipeline's first
+    stage sends the rows to the last one, which samples)."""
+
+    params: SamplingParams
+    seed: int
+    index: int
+    stop_token_ids: list[int]
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int | str]:
+    """``sample`` over ``rows``: each row's token id, or why it could not be sampled."""
+    sampled = sample(
+        logits,
+        [row.params for row in rows],
+        [row.seed for row in rows],
+        [row.index for row in rows],
+        # Held back (masked) while a request is short of its min_tokens.
+        [row.stop_token_ids for row in rows],
+    )
+    return [str(outcome) if isinstance(outcome, SamplingError) else outcome for outcome in sampled]

@@ -172,19 +172,28 @@ class Scheduler:
             request.gateway_id = gateway_id
 
     def worker_joined(
-        self, worker_id: str, num_blocks: int, block_size: int, max_inflight: int = 1
+        self,
+        worker_id: str,
+        num_blocks: int,
+        block_size: int,
+        max_inflight: int = 1,
+        pipeline_depth: int = 1,
     ) -> None:
-        """Register a worker and its K/V budget."""
+        """Register a worker and its K/V budget (``pipeline_depth``: the stages of a
+        worker group, whose requests are each in one outstanding plan at most)."""
         if worker_id in self._workers:
             raise DuplicateWorkerError(f"worker {worker_id!r} already joined")
         if num_blocks < 1 or block_size < 1 or not 1 <= max_inflight <= MAX_INFLIGHT:
             raise InvalidRequestError(
                 f"num_blocks and block_size must be >= 1 and max_inflight 1 to {MAX_INFLIGHT}"
             )
+        if pipeline_depth < 1:
+            raise InvalidRequestError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
         self._workers[worker_id] = WorkerState(
             worker_id=worker_id,
             join_seq=self._next_join_seq,
             max_inflight=max_inflight,
+            pipeline_depth=pipeline_depth,
             ledger=BlockLedger(
                 num_blocks, block_size, self.config.prefix_caching, self.prefix_cache_stats
             ),

@@ -268,7 +268,11 @@ class EventHandler:
             self.lose(worker_id, "rejoined", pipe)
         try:
             self.core.worker_joined(
-                worker_id, message.num_blocks, message.block_size, message.max_inflight
+                worker_id,
+                message.num_blocks,
+                message.block_size,
+                message.max_inflight,
+                message.pipeline_depth,
             )
         except SchedulerError as error:
             _log.warning("bad_worker_join", worker_id=worker_id, error=str(error))
@@ -282,6 +286,7 @@ class EventHandler:
             num_blocks=message.num_blocks,
             block_size=message.block_size,
             max_inflight=message.max_inflight,
+            pipeline_depth=message.pipeline_depth,
         )
         return True
 

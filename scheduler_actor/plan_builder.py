@@ -45,8 +45,8 @@ class PlanBuilder:
     ) -> None:
         self.worker = worker
         # With overlap a request may be in every outstanding plan of its
-        # worker (its lookahead); without, in one at a time.
-        self.max_plans_per_request = worker.max_inflight if overlap else 1
+        # worker (its lookahead; one in a pipeline); without, in one at a time.
+        self.max_plans_per_request = worker.max_plans_per_request if overlap else 1
         # Every placement and preemption is recorded at once, so a policy's
         # next `can_run` (or VTC counter) in the same step already counts it.
         self.placements = placements

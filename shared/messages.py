@@ -254,6 +254,10 @@ class WorkerJoined(msgspec.Struct, frozen=True, tag="worker_joined", forbid_unkn
     block_size: int
     max_inflight: int
     version: int = WIRE_VERSION
+    # Pipeline stages of a worker group (1: one engine). Above 1, a request is in
+    # at most one of the worker's outstanding plans: its next input is the last
+    # stage's sample, so the running requests rotate through disjoint batches.
+    pipeline_depth: int = 1
 
 
 class WorkerLeft(msgspec.Struct, frozen=True, tag="worker_left", forbid_unknown_fields=True):

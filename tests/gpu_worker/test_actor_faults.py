@@ -132,14 +132,14 @@ def test_a_failing_request_is_rejected_alone_and_the_batch_finishes(redis_server
 def test_a_plan_that_raises_fails_its_requests_and_the_worker_goes_on(
     redis_server, model, monkeypatch: pytest.MonkeyPatch
 ):
-    real_step = Engine.step
+    real_begin = Engine.begin_step
 
-    def step_that_breaks_once(engine: Engine, plan: StepPlan):
+    def begin_that_breaks_once(engine: Engine, plan: StepPlan):
         if plan.step_index == 1:
             raise RuntimeError("something nobody expected")
-        return real_step(engine, plan)
+        return real_begin(engine, plan)
 
-    monkeypatch.setattr(Engine, "step", step_that_breaks_once)
+    monkeypatch.setattr(Engine, "begin_step", begin_that_breaks_once)
 
     async def scenario(redis: aioredis.Redis, scheduler: Scheduler) -> None:
         await scheduler.joined()

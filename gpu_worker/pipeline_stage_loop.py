@@ -1,0 +1,97 @@
+"""The stages behind the first in a worker group: each step as the first stage
+sent it, passed on at once (forward-on-issue), then this stage's layers over
+the hidden states the stage before sent; the last stage samples and answers
+the first. Nothing here talks to Redis.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import structlog
+
+from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.pipeline_messages import STAGE_MESSAGE, StageResult, StageStop, encoder
+from gpu_worker.pipeline_stage import PipelineStage
+from gpu_worker.sampler import sample_rows
+from gpu_worker.worker_group import GroupMember, GroupStartError, join_group
+from shared.parent_death import die_with_parent
+from shared.settings import WorkerSettings
+
+_log = structlog.get_logger(__name__)
+
+
+def serve_stage(member: GroupMember, backend_name: str) -> None:
+    """Run steps until the first stage's ``StageStop`` (raises where a peer is gone)."""
+    model = member.model
+    kv_size = member.kv_size
+    kv_cache = PagedKVCache(
+        model.config, kv_size.num_blocks, kv_size.block_size, model.device, model.dtype
+    )
+    stage = PipelineStage(model, kv_cache, backend_name, first=False, last=member.last)
+    link = member.link
+    hidden_size = model.config.hidden_size
+    while True:
+        payload = link.recv_message(link.previous)
+        if not member.last:
+            link.send_message(
+                payload, link.next
+            )  # the next stage has the plan before our compute ends
+        message = STAGE_MESSAGE.decode(payload)
+        if isinstance(message, StageStop):
+            if member.last:
+                link.send_message(encoder.encode(StageResult(-1, None)), 0, results=True)
+            return
+        inputs = message.inputs
+        carried = link.recv_hidden(link.previous, len(inputs.token_ids), hidden_size, model.dtype)
+        started_s = time.perf_counter()
+        output = None
+        if carried is not None:
+            try:
+                output = stage.forward(inputs, carried)
+            except Exception:  # the step fails, the stage goes on
+                _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
+        if not member.last:
+            link.send_hidden(output, link.next)
+            continue
+        samples = None
+        if output is not None:
+            try:
+                samples = sample_rows(output, message.sampling_rows)
+            except Exception:
+                _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
+        compute_ms = (time.perf_counter() - started_s) * 1000
+        result = StageResult(message.step_id, samples, compute_ms)
+        link.send_message(encoder.encode(result), 0, results=True)
+
+
+def stage_process_main(settings: WorkerSettings, rank: int, spawned: bool = True) -> int:
+    """A rank behind the first: join the group, serve its steps; the exit status
+    (0 after the first stage's stop). ``spawned``: a child of this host's worker
+    shell, which decides when it stops (else a process of its own, ended by
+    SIGTERM like any)."""
+    from gpu_worker.attention import default_backend_name
+    from shared.log import configure_logging
+
+    if spawned:
+        die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_logging("worker")
+    try:
+        member = join_group(settings, rank)
+    except GroupStartError as error:
+        _log.error("group_failed_to_start", rank=rank, error=str(error))
+        if not spawned:
+            print(f"python -m gpu_worker: {error}", file=sys.stderr)
+        return 1
+    backend_name = settings.attention_backend or default_backend_name(member.model.device)
+    try:
+        serve_stage(member, backend_name)
+    except Exception as error:  # a peer is gone (gloo's wait broke): the group is lost
+        _log.error("group_rank_lost_a_peer", rank=rank, error=str(error).splitlines()[0])
+        return 1
+    _log.info("group_rank_stopped", rank=rank)
+    return 0

@@ -1,0 +1,241 @@
+"""A worker group: one model split into pipeline stages, one engine rank each,
+joined over ``torch.distributed`` (gloo).
+
+Every rank loads the model, keeps its stage's layers (``pipeline_layout.py``,
+``pipeline_stage.py``) and sizes its K/V pool; then the ranks meet at rank 0's
+``TCPStore`` (the rendezvous: ``--rendezvous HOST:PORT``, or a free port on
+127.0.0.1 when every rank runs on this host). Rank 0 checks that every rank
+came within the timeout (naming those that did not), that all loaded the
+same model the same way (its shape, dtype, weight format, a digest of its
+weights, the split) and takes the smallest pool: every stage holds every
+block the scheduler may grant. Then the ranks start gloo's process groups.
+Anything wrong ends every rank at start with one message.
+
+Rank 0 is the group's only Redis client (its shell); the stages behind it
+run ``serve_stage`` and need nothing but the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+import torch
+import torch.distributed as dist
+
+from gpu_worker.kv_cache import KVCacheBudget, KVCacheSize, KVCacheSizeError, kv_cache_size
+from gpu_worker.llama import LlamaModel
+from gpu_worker.pipeline_layout import (
+    GroupConfigError,
+    num_local_ranks,
+    rendezvous_address,
+    stage_layer_ranges,
+)
+from gpu_worker.pipeline_link import StageLink
+from gpu_worker.pipeline_stage import stage_model
+from shared.settings import WorkerSettings, default_kv_cache_fraction
+
+_log = structlog.get_logger(__name__)
+
+_KEY = "orcapod/group/"
+# How long rank 0 waits, having refused the group, for the others to read why.
+_REFUSAL_READ_S = 5.0
+
+
+class GroupStartError(RuntimeError):
+    """The group cannot start; the message says why (the same on every rank)."""
+
+
+class _RankReport(msgspec.Struct, frozen=True):
+    """What each rank tells rank 0 once its model is loaded: what it loaded, the
+    blocks its pool can hold, or why it could not."""
+
+    model: str = ""
+    num_blocks: int = 0
+    error: str = ""
+
+
+class _Verdict(msgspec.Struct, frozen=True):
+    """Rank 0's answer: the group's pool in blocks, or why the group cannot start."""
+
+    num_blocks: int = 0
+    error: str = ""
+
+
+def model_fingerprint(model: LlamaModel, weight_format: str, settings: WorkerSettings) -> str:
+    """What every rank must agree on: the model's shape, dtype, weight format, a digest
+    of some of its weights, and the group's split."""
+    digest = hashlib.sha256()
+    for tensor in (model.weights.embed_tokens[:8], model.weights.final_norm):
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return (
+        f"{model.config} dtype={model.dtype} weights={weight_format} "
+        f"pipeline_parallel={settings.pipeline_parallel} layer_split={settings.layer_split} "
+        f"digest={digest.hexdigest()[:16]}"
+    )
+
+
+@dataclass
+class GroupMember:
+    """One rank of a started group: its stage's model, the group's pool size, its wires."""
+
+    rank: int
+    world_size: int
+    layers: range
+    model: LlamaModel
+    kv_size: KVCacheSize
+    link: StageLink
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank embeds the tokens (and talks to the shell)."""
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether this rank samples."""
+        return self.rank == self.world_size - 1
+
+
+def _stage_budget(settings: WorkerSettings, device: torch.device) -> KVCacheBudget:
+    """The K/V budget of one rank: the worker's, its memory share divided among the
+    ranks of this host (three ranks must not each take the whole share)."""
+    fraction = settings.kv_cache_fraction
+    if settings.kv_cache_bytes is None:
+        fraction = (fraction or default_kv_cache_fraction(device.type)) / num_local_ranks(settings)
+    return KVCacheBudget(
+        num_bytes=settings.kv_cache_bytes,
+        fraction=fraction,
+        block_size=settings.block_size,
+        max_sequences=settings.kv_cache_max_sequences,
+    )
+
+
+def _load_stage(settings: WorkerSettings, rank: int) -> tuple[range, LlamaModel, KVCacheSize, str]:
+    """This rank's layers, stage model, pool size and fingerprint (raises
+    GroupConfigError or KVCacheSizeError for a setting to change)."""
+    from gpu_worker.model_loading import load_model
+    from gpu_worker.quantized_linear import weight_format_of
+
+    model = load_model(
+        settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
+    )
+    ranges = stage_layer_ranges(
+        model.config.num_layers, settings.pipeline_parallel, settings.layer_split
+    )
+    fingerprint = model_fingerprint(model, weight_format_of(model.weights), settings)
+    layers = ranges[rank]
+    last = rank == settings.pipeline_parallel - 1
+    stage = stage_model(model, layers, first=rank == 0, last=last)
+    del model
+    size = kv_cache_size(
+        stage.config, _stage_budget(settings, stage.device), stage.device, stage.dtype
+    )
+    return layers, stage, size, fingerprint
+
+
+def _connect(settings: WorkerSettings, rank: int) -> dist.TCPStore:
+    host, port = rendezvous_address(settings.rendezvous)
+    timeout = datetime.timedelta(seconds=settings.rendezvous_timeout_s)
+    try:
+        return dist.TCPStore(
+            host, port, settings.pipeline_parallel, is_master=rank == 0,
+            timeout=timeout, wait_for_workers=False,
+        )  # fmt: skip
+    except Exception as error:  # refused, unreachable, timed out: the rendezvous is not there
+        raise GroupStartError(
+            f"rank {rank} could not reach the group's rendezvous at {host}:{port} within "
+            f"{settings.rendezvous_timeout_s:g} s ({error})"
+        ) from None
+
+
+def _judge(store: dist.TCPStore, settings: WorkerSettings) -> _Verdict:
+    """Rank 0: every rank's report within the timeout, the same model, the smallest pool."""
+    world = settings.pipeline_parallel
+    keys = [f"{_KEY}report/{rank}" for rank in range(world)]
+    deadline = time.monotonic() + settings.rendezvous_timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            return _Verdict(
+                error=f"ranks {missing} of the group's {world} never joined the rendezvous "
+                f"at {settings.rendezvous} within {settings.rendezvous_timeout_s:g} s"
+            )
+        time.sleep(0.05)
+    reports = [msgspec.json.decode(store.get(key), type=_RankReport) for key in keys]
+    for rank, report in enumerate(reports):
+        if report.error:
+            return _Verdict(error=f"rank {rank} could not start: {report.error}")
+    for rank, report in enumerate(reports[1:], start=1):
+        if report.model != reports[0].model:
+            return _Verdict(
+                error=f"rank {rank} loaded another model than rank 0: {report.model!r} against "
+                f"{reports[0].model!r}"
+            )
+    return _Verdict(num_blocks=min(report.num_blocks for report in reports))
+
+
+def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
+    """Load this rank's stage, meet the others, and start the process groups;
+    GroupStartError (on every rank alike) where the group cannot start."""
+    world = settings.pipeline_parallel
+    if not 0 <= rank < world:
+        raise GroupStartError(f"--group-rank {rank} is outside the group's ranks 0 to {world - 1}")
+    if num_local_ranks(settings) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks on one host share its cores: one stage's threads on cores of their own.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks(settings)))
+    store = _connect(settings, rank)
+    try:
+        layers, model, size, fingerprint = _load_stage(settings, rank)
+        report = _RankReport(model=fingerprint, num_blocks=size.num_blocks)
+    except (GroupConfigError, KVCacheSizeError) as error:
+        layers, model, size, report = range(0), None, None, _RankReport(error=str(error))
+    except Exception as error:  # a model that does not load: every rank is told
+        _log.exception("group_rank_failed_to_load", rank=rank)
+        layers, model, size, report = range(0), None, None, _RankReport(error=str(error))
+    store.set(f"{_KEY}report/{rank}", msgspec.json.encode(report))
+    if rank == 0:
+        verdict = _judge(store, settings)
+        store.set(f"{_KEY}verdict", msgspec.json.encode(verdict))
+    else:
+        try:
+            store.wait([f"{_KEY}verdict"])
+        except Exception:
+            raise GroupStartError(
+                f"rank {rank}: rank 0 gave no answer within {settings.rendezvous_timeout_s:g} s"
+            ) from None
+        verdict = msgspec.json.decode(store.get(f"{_KEY}verdict"), type=_Verdict)
+        store.set(f"{_KEY}read/{rank}", b"1")
+    if verdict.error:
+        if rank == 0:  # the store lives here: let the others read why first
+            readers = [f"{_KEY}read/{r}" for r in range(1, world)]
+            deadline = time.monotonic() + _REFUSAL_READ_S
+            while not store.check(readers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        raise GroupStartError(verdict.error)
+    assert model is not None and size is not None
+    timeout = datetime.timedelta(seconds=settings.rendezvous_timeout_s)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"{_KEY}pg", store), rank=rank, world_size=world,
+        timeout=timeout,
+    )  # fmt: skip
+    result_group = dist.new_group(backend="gloo", timeout=timeout)
+    _log.info(
+        "group_rank_joined", rank=rank, world_size=world,
+        layers=f"{layers.start}-{layers.stop - 1}", num_blocks=verdict.num_blocks,
+        threads=torch.get_num_threads(),
+    )  # fmt: skip
+    return GroupMember(
+        rank=rank,
+        world_size=world,
+        layers=layers,
+        model=model,
+        kv_size=dataclasses.replace(size, num_blocks=verdict.num_blocks),
+        link=StageLink(rank, world, result_group),
+    )
