@@ -199,10 +199,10 @@ def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
     except Exception as error:  # a model that does not load: every rank is told
         _log.exception("group_rank_failed_to_load", rank=rank)
         layers, model, size, report = range(0), None, None, _RankReport(error=str(error))
-    store.set(f"{_KEY}report/{rank}", msgspec.json.encode(report))
+    store.set(f"{_KEY}report/{rank}", msgspec.json.encode(report).decode())
     if rank == 0:
         verdict = _judge(store, settings)
-        store.set(f"{_KEY}verdict", msgspec.json.encode(verdict))
+        store.set(f"{_KEY}verdict", msgspec.json.encode(verdict).decode())
     else:
         try:
             store.wait([f"{_KEY}verdict"])
@@ -211,10 +211,11 @@ def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
                 f"rank {rank}: rank 0 gave no answer within {settings.rendezvous_timeout_s:g} s"
             ) from None
         verdict = msgspec.json.decode(store.get(f"{_KEY}verdict"), type=_Verdict)
-        store.set(f"{_KEY}read/{rank}", b"1")
+        store.set(f"{_KEY}read/{rank}", "1")
     if verdict.error:
-        if rank == 0:  # the store lives here: let the others read why first
-            readers = [f"{_KEY}read/{r}" for r in range(1, world)]
+        if rank == 0:  # the store lives here: let the ranks that came read why first
+            came = [r for r in range(1, world) if store.check([f"{_KEY}report/{r}"])]
+            readers = [f"{_KEY}read/{r}" for r in came]
             deadline = time.monotonic() + _REFUSAL_READ_S
             while not store.check(readers) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -227,7 +228,7 @@ def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
     )  # fmt: skip
     result_group = dist.new_group(backend="gloo", timeout=timeout)
     _log.info(
-        "group_rank_joined", rank=rank, world_size=world,
+        "group_rank_joined", rank=rank, world_size=world, pid=os.getpid(),
         layers=f"{layers.start}-{layers.stop - 1}", num_blocks=verdict.num_blocks,
         threads=torch.get_num_threads(),
     )  # fmt: skip

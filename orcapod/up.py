@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=1, help="worker processes (>= 1)")
     parser.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        help="pipeline stages of each worker: a worker group of that many engine ranks on "
+        "this host, the model's layers split between them (python -m gpu_worker "
+        "--pipeline-parallel; default: 1, the whole model in one engine)",
+    )
+    parser.add_argument(
         "--gateways", type=int, default=1, help="gateway processes (>= 1), on consecutive ports"
     )
     parser.add_argument(
@@ -270,6 +278,8 @@ def _serve(
                 model_dir,
                 "--metrics-port",
                 str(worker_metrics_ports[i]),
+                "--pipeline-parallel",
+                str(args.pipeline_parallel),
                 *args.worker_arg,
             ),
             env,
@@ -342,8 +352,11 @@ def _serve(
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``orcapod up``."""
     args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.gateways < 1:
-        print("orcapod up: --workers and --gateways must be >= 1", file=sys.stderr)
+    if args.workers < 1 or args.gateways < 1 or args.pipeline_parallel < 1:
+        print(
+            "orcapod up: --workers, --gateways and --pipeline-parallel must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     tenants_path = tenants_file(args.tenants_file)
     try:

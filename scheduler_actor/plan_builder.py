@@ -10,6 +10,8 @@ on demand and granting them in the plan (check then act:
 
 from __future__ import annotations
 
+import math
+
 from scheduler_actor.placement import Placements
 from scheduler_actor.prefix_cache import prefix_hit
 from scheduler_actor.request import Request, RequestStatus
@@ -24,9 +26,12 @@ class PlanBuilder:
         "block_grants",
         "decode_request_ids",
         "epoch",
+        "max_continuing",
         "max_plans_per_request",
         "new_requests",
+        "num_continuing",
         "num_new_tokens",
+        "placed_ids",
         "placements",
         "prefill_chunks",
         "scheduled",
@@ -47,6 +52,14 @@ class PlanBuilder:
         # With overlap a request may be in every outstanding plan of its
         # worker (its lookahead; one in a pipeline); without, in one at a time.
         self.max_plans_per_request = worker.max_plans_per_request if overlap else 1
+        # A pipeline's running requests spread over its stages (Orca's Figure 8): a
+        # plan goes on with at most its share of them, so the plans of the other
+        # stages get the rest; admissions come on top, up to the batch size.
+        self.max_continuing: int | None = None
+        if worker.pipeline_depth > 1:
+            self.max_continuing = max(1, math.ceil(len(worker.placed) / worker.pipeline_depth))
+        self.num_continuing = 0
+        self.placed_ids: set[str] = set()  # placed on the worker by this plan
         # Every placement and preemption is recorded at once, so a policy's
         # next `can_run` (or VTC counter) in the same step already counts it.
         self.placements = placements
@@ -90,6 +103,7 @@ class PlanBuilder:
             stats.num_query_tokens += len(request.prompt_ids) + len(request.generated_ids)
             stats.num_hit_tokens += request.num_cached_tokens
         self.placements.move(request, self.worker)
+        self.placed_ids.add(request.request_id)
         request.num_prefill_planned = request.num_cached_tokens
         if hit:
             self.block_grants[request.request_id] = list(hit)
@@ -105,7 +119,9 @@ class PlanBuilder:
         )
 
     def can_continue(self, request: Request) -> bool:
-        """Whether the request's next step may be planned in this plan."""
+        """Whether the placed request's next step may be planned in this plan."""
+        if self.max_continuing is not None and self.num_continuing >= self.max_continuing:
+            return False
         return request.can_continue(self.max_plans_per_request)
 
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
@@ -200,6 +216,8 @@ class PlanBuilder:
 
     def _schedule(self, request: Request, num_tokens: int) -> None:
         assert request.request_id not in self.scheduled_ids
+        if request.request_id not in self.placed_ids:
+            self.num_continuing += 1  # placed before this plan
         self.scheduled.append(request)
         self.scheduled_ids.add(request.request_id)
         self.num_new_tokens += num_tokens

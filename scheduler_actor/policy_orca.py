@@ -44,7 +44,8 @@ class OrcaPolicy(ArrivalOrderPolicyBase):
             if index < len(placed) and (
                 head is None or placed[index].arrival_seq < head.arrival_seq
             ):
-                self._step(builder, placed[index])
+                if builder.can_continue(placed[index]):  # a pipeline's share may be full
+                    self._step(builder, placed[index])
                 index += 1
             elif head is not None:
                 if not self._is_preferred(builder.worker, head) or not builder.can_reserve(

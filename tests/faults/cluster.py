@@ -85,7 +85,7 @@ class Cluster:
         """The scheduler; a lost worker is noticed about a second after its key expires."""
         self._start_actor("scheduler", "scheduler_actor", "--worker-timeout-s=0.5", *extra)
 
-    def start_worker(self, worker_id: str) -> None:
+    def start_worker(self, worker_id: str, *extra: str) -> None:
         """One worker on the real model, on the CPU: fp32 activations, the default weights."""
         self._start_actor(
             worker_id,
@@ -96,6 +96,7 @@ class Cluster:
             "--dtype=float32",
             f"--kv-cache-bytes={KV_CACHE_BYTES}",
             "--heartbeat-s=0.3",
+            *extra,
         )
 
     def start_gateway(self, gateway_id: str) -> None:

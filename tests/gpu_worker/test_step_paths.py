@@ -51,7 +51,6 @@ INT4_NEAR_TIE = 0.5
 NEEDS_BF16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="no bf16 units: no int4")
 CASES = [
     pytest.param("auto", True, id=f"default-{DEFAULT}-compiled"),
-    pytest.param("float32", True, id="float32-compiled"),
     pytest.param("float32", False, id="float32-eager"),
     pytest.param("float16", False, id="float16-eager"),
     pytest.param("q4_1", False, id="q4_1-eager"),
@@ -77,6 +76,14 @@ if DEFAULT != "q4_1":
 # EPYC: it passed, every parting at a near-tie of 0.004 to 0.14).
 if os.environ.get("ORCAPOD_TEST_INT4_COMPILED") == "1":
     CASES.append(pytest.param("int4", True, id="int4-compiled", marks=NEEDS_BF16))
+# float32 compiled (--weights float32, not a default) is not run here either: its
+# graphs' cold compile cost the suite 75 s on two cores (2026-12-05), the time the
+# worker groups' tests took. The compiled graphs themselves are the default's
+# and float16's above (the same code traced over other matrices), and every
+# worker that compiles float32's checks them against its eager forward at start
+# (the path probe). ORCAPOD_TEST_FLOAT32_COMPILED=1 runs it here.
+if os.environ.get("ORCAPOD_TEST_FLOAT32_COMPILED") == "1":
+    CASES.append(pytest.param("float32", True, id="float32-compiled"))
 
 
 def _check(

@@ -192,3 +192,45 @@ def test_a_join_with_a_lookahead_out_of_range_is_refused(max_inflight: int) -> N
         scheduler.worker_joined("w", 16, 4, max_inflight)
     assert "w" not in scheduler.workers
     scheduler.worker_joined("w", 16, 4, MAX_INFLIGHT)
+
+
+def _requests_of(plan) -> set[str]:
+    return {*plan.decode_request_ids, *(chunk.request_id for chunk in plan.prefill_chunks)}
+
+
+@pytest.mark.parametrize("policy", [PolicyName.FAIR, PolicyName.ORCA])
+def test_a_pipeline_rotates_its_requests_through_one_plan_per_stage(policy) -> None:
+    # Orca's Figure 8: a group of two stages keeps two plans in flight, each a batch
+    # of its own; a request is never in two of them (its next input is the last
+    # stage's sample), and the running requests split between the two.
+    scheduler = Scheduler(SchedulerConfig(policy=policy), lambda: 0.0)
+    scheduler.worker_joined("g", 64, 4, max_inflight=2, pipeline_depth=2)
+    worker = SimulatedWorker("g", 64, 4, CostModel())
+    for name in "abcd":
+        _submit(scheduler, name, 3, 40)
+    first = scheduler.next_plan("g")
+    assert first is not None and _requests_of(first) == set("abcd")  # all admitted at once
+    assert scheduler.next_plan("g") is None  # nobody is free for the second stage yet
+    output, _ = worker.execute(first)
+    scheduler.on_result(output)
+    in_flight = {}
+    for _ in range(20):
+        while (plan := scheduler.next_plan("g")) is not None:
+            names = _requests_of(plan)
+            assert all(not names & others for _, others in in_flight.values())
+            in_flight[plan.step_index] = (plan, names)
+        assert len(in_flight) == 2  # one plan per stage
+        assert sorted(len(names) for _, names in in_flight.values()) == [2, 2]
+        oldest = min(in_flight)
+        plan, _ = in_flight.pop(oldest)
+        output, _ = worker.execute(plan)
+        scheduler.on_result(output)
+    # The group's requests are in one plan at a time; one engine's may be in each of
+    # its plans (its lookahead: test_overlap_plans_ahead_and_stop_costs_one_slot_at_most).
+    assert scheduler.workers["g"].max_plans_per_request == 1
+
+
+def test_a_join_with_a_pipeline_depth_below_one_is_refused() -> None:
+    scheduler = Scheduler(SchedulerConfig(), lambda: 0.0)
+    with pytest.raises(InvalidRequestError, match="pipeline_depth must be >= 1"):
+        scheduler.worker_joined("g", 64, 4, max_inflight=2, pipeline_depth=0)

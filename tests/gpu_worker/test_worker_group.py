@@ -1,0 +1,263 @@
+"""A worker group of pipeline stages over torch.distributed (gloo), as the worker
+runs it: its answers are one engine's, token for token, with plans in flight in
+every stage; a group that cannot be made is refused at start on every rank; a
+rank that dies ends the group, and no rank waits for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.tokenizer import ChatTokenizer
+from gpu_worker.engine import Engine
+from gpu_worker.engine_host import EngineProcess, EngineProcessDied, EngineThread, PlanJob
+from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
+from gpu_worker.model_config import load_model_config
+from gpu_worker.model_loading import load_model
+from gpu_worker.pipeline_layout import free_local_port
+from gpu_worker.step_done import StepDone
+from scheduler_actor.config import SchedulerConfig
+from scheduler_actor.core import Scheduler
+from shared.messages import SamplingParams
+from shared.settings import RedisSettings, WorkerSettings, model_location
+from tests.gpu_worker import overlap_scenario
+from tests.gpu_worker.test_engine_host import KV_CACHE_BYTES, _run
+from tests.gpu_worker.tiny_models import write_tiny_model
+
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def _group(model_dir: Path, num_stages: int, **changes: object) -> WorkerSettings:
+    settings = WorkerSettings(
+        redis=RedisSettings(url="redis://127.0.0.1:1"),
+        model=model_location(model_dir=str(model_dir)),
+        worker_id="w-group",
+        device="cpu",
+        dtype="float32",
+        kv_cache_bytes=KV_CACHE_BYTES,
+        compile_decode=False,
+        pipeline_parallel=num_stages,
+        rendezvous_timeout_s=30.0,
+    )
+    return dataclasses.replace(settings, **changes)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    return status != "Z"
+
+
+def test_a_group_runs_plans_as_one_engine_does(tiny_dir: Path) -> None:
+    # The plans overlap (each decode is sent before the step before it is done), so
+    # the first stage must wait for the last one's sample before it begins the next.
+    group = EngineProcess(_group(tiny_dir, 2))
+    by_group = asyncio.run(_run(group))
+    model = load_model(tiny_dir, device="cpu", dtype="float32")
+    engine = Engine(model, KVCacheBudget(num_bytes=KV_CACHE_BYTES), "cpu", worker_id="w-host")
+    by_engine = asyncio.run(_run(EngineThread(engine, "w-host")))
+    tokens = [[(t.index, t.token_id) for t in item.batches["gw"]] for item in by_group]
+    assert tokens == [[(t.index, t.token_id) for t in item.batches["gw"]] for item in by_engine]
+    assert [index for [(index, _)] in tokens] == [0, 1, 2, 3]
+    assert by_group[-1].batches["gw"][0].finish_reason == "length"
+    assert [item.output.path for item in by_group if item.output] == ["pipeline"] * 4
+    assert group.stats.live_paths == ["pipeline"] and group.stats.num_steps == 4
+    # Each stage holds one of the two layers: twice one engine's blocks in the same bytes.
+    assert group.num_blocks == 2 * engine.num_blocks
+    assert all(not process.is_alive() for process in group._stage_processes)
+
+
+async def _serve_chats(
+    host: EngineProcess, num_stages: int, chats: dict[str, list[int]]
+) -> tuple[dict[str, list[int]], int]:
+    """The chats through the scheduler core, one joining per answer, over the group as
+    the service runs it (one plan per stage in flight); each chat's tokens and the
+    most plans seen in flight at once."""
+    config = SchedulerConfig(max_batch_size=16, token_budget=48, max_chunk_tokens=32)
+    scheduler = Scheduler(config, lambda: 0.0)
+    await host.start()
+    scheduler.worker_joined(
+        "w-group", host.num_blocks, host.block_size, num_stages, pipeline_depth=num_stages
+    )
+    done: asyncio.Queue[StepDone | None] = asyncio.Queue()
+    running = asyncio.create_task(host.run(asyncio.Event(), done))
+    sampling = SamplingParams(
+        max_tokens=overlap_scenario.MAX_TOKENS, temperature=0.0, ignore_eos=True
+    )
+    waiting = list(chats.items())
+    tokens: dict[str, list[int]] = {}
+    in_flight: dict[int, set[str]] = {}
+    most_in_flight = 0
+    while len(tokens) < len(chats):
+        if waiting:
+            request_id, prompt_ids = waiting.pop(0)
+            scheduler.submit(request_id, "tenant", prompt_ids, sampling)
+        while (plan := scheduler.next_plan("w-group")) is not None:
+            named = {*plan.decode_request_ids, *(c.request_id for c in plan.prefill_chunks)}
+            for others in in_flight.values():
+                assert not named & others, "a request in two plans in flight at once"
+            in_flight[plan.step_index] = named
+            most_in_flight = max(most_in_flight, len(in_flight))
+            host.submit(PlanJob(str(plan.step_index).encode(), plan, time.time()))
+        item = await asyncio.wait_for(done.get(), timeout=120)
+        assert item is not None and item.output is not None and item.dead_error is None
+        del in_flight[item.output.step_index]
+        for finished in scheduler.on_result(item.output):
+            assert finished.finish_reason == "length", finished
+            tokens[finished.request_id] = finished.token_ids
+    host.close()
+    await asyncio.wait_for(running, timeout=30)
+    return tokens, most_in_flight
+
+
+@pytest.fixture(scope="module")
+def chats(prepared_model_dir: Path) -> dict[str, list[int]]:
+    tokenizer = ChatTokenizer.from_model_dir(prepared_model_dir)
+    return dict(list(overlap_scenario.prompts(tokenizer).items())[:6])
+
+
+@pytest.fixture(scope="module")
+def alone(prepared_model_dir: Path, chats: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each chat alone on one engine of the worker's default weights (eager)."""
+    model = load_model(prepared_model_dir, device="cpu", dtype="float32", weight_format="auto")
+    engine = overlap_scenario.engine_for(model, compile_decode=False, worker_id="w0")
+    tokens = {}
+    for request_id, prompt_ids in chats.items():
+        one = overlap_scenario.run({"w0": engine}, {request_id: prompt_ids}, stagger_steps=1)
+        tokens.update(one.tokens)
+    return tokens
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_staggered_chats_on_a_pipeline_answer_as_each_alone(
+    prepared_model_dir: Path,
+    chats: dict[str, list[int]],
+    alone: dict[str, list[int]],
+    num_stages: int,
+) -> None:
+    # SmolLM2 with the worker's default weights on this CPU, its 30 layers in 2 or 3
+    # stages; chats join while others decode (mixed steps, prompts in chunks), the
+    # pool too small for all of them (preemptions), and the scheduler keeps one
+    # plan per stage in flight, so each stage works on its own batch.
+    config = load_model_config(prepared_model_dir)
+    pool_bytes = overlap_scenario.NUM_BLOCKS * bytes_per_block(
+        config, overlap_scenario.BLOCK_SIZE, torch.float32
+    )
+    settings = _group(
+        prepared_model_dir,
+        num_stages,
+        weight_format="auto",
+        kv_cache_bytes=pool_bytes // num_stages,
+        block_size=overlap_scenario.BLOCK_SIZE,
+    )
+    host = EngineProcess(settings)
+    by_group, most_in_flight = asyncio.run(_serve_chats(host, num_stages, chats))
+    assert host.num_blocks == overlap_scenario.NUM_BLOCKS
+    assert most_in_flight == num_stages
+    assert by_group == alone
+
+
+def test_more_stages_than_layers_is_refused_on_every_rank(tiny_dir: Path) -> None:
+    group = EngineProcess(_group(tiny_dir, 3))
+    with pytest.raises(EngineProcessDied, match="3 is more stages than the model's 2 layers"):
+        asyncio.run(group.start())
+    for process in group._stage_processes:
+        process.join(10)
+        assert process.exitcode == 1
+
+
+def test_a_rank_that_never_comes_is_named(tiny_dir: Path) -> None:
+    settings = _group(
+        tiny_dir,
+        2,
+        group_rank=0,
+        rendezvous=f"127.0.0.1:{free_local_port()}",
+        rendezvous_timeout_s=2.0,
+        local_ranks=1,
+    )
+    started = time.monotonic()
+    with pytest.raises(EngineProcessDied, match=r"ranks \[1\] of the group's 2 never joined"):
+        asyncio.run(EngineProcess(settings).start())
+    assert time.monotonic() - started < 30
+
+
+def _rank_elsewhere(rank: int, rendezvous: str, model_dir: Path) -> subprocess.Popen[str]:
+    """A rank as another host runs it: `python -m gpu_worker --group-rank N`, no Redis."""
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "gpu_worker", "--pipeline-parallel", "2", "--group-rank",
+            str(rank), "--rendezvous", rendezvous, "--model", str(model_dir), "--device", "cpu",
+            "--dtype", "float32", f"--kv-cache-bytes={KV_CACHE_BYTES}", "--local-ranks", "2",
+        ],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_a_rank_started_on_its_own_joins_the_group_and_ends_with_it(tiny_dir: Path) -> None:
+    rendezvous = f"127.0.0.1:{free_local_port()}"
+    rank1 = _rank_elsewhere(1, rendezvous, tiny_dir)
+    settings = _group(tiny_dir, 2, group_rank=0, rendezvous=rendezvous, local_ranks=2)
+    try:
+        by_group = asyncio.run(_run(EngineProcess(settings)))
+        _, stderr = rank1.communicate(timeout=60)
+    finally:
+        rank1.kill()
+    tokens = [[t.token_id for t in item.batches["gw"]] for item in by_group]
+    assert len(tokens) == 4 and all(len(step) == 1 for step in tokens)
+    assert rank1.returncode == 0, stderr
+    assert '"group_rank_stopped"' in stderr
+
+
+def test_ranks_that_load_different_models_are_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    # Rank 1 "on another host" loads another checkpoint of the same shape.
+    other = write_tiny_model(tmp_path / "untied", "untied")
+    rendezvous = f"127.0.0.1:{free_local_port()}"
+    rank1 = _rank_elsewhere(1, rendezvous, other)
+    settings = _group(tiny_dir, 2, group_rank=0, rendezvous=rendezvous, local_ranks=2)
+    try:
+        with pytest.raises(EngineProcessDied, match="rank 1 loaded another model than rank 0"):
+            asyncio.run(EngineProcess(settings).start())
+        _, stderr = rank1.communicate(timeout=60)
+    finally:
+        rank1.kill()
+    assert rank1.returncode == 1
+    assert "rank 1 loaded another model than rank 0" in stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("killed", ["last stage", "first stage"])
+def test_a_killed_rank_ends_the_whole_group(tiny_dir: Path, killed: str) -> None:
+    async def scenario() -> None:
+        host = EngineProcess(_group(tiny_dir, 2))
+        await host.start()
+        done: asyncio.Queue[StepDone | None] = asyncio.Queue()
+        running = asyncio.create_task(host.run(asyncio.Event(), done))
+        [stage] = host._stage_processes
+        first_pid, last_pid = host._process.pid, stage.pid
+        assert first_pid is not None and last_pid is not None
+        os.kill(last_pid if killed == "last stage" else first_pid, signal.SIGKILL)
+        with pytest.raises(EngineProcessDied):
+            await asyncio.wait_for(running, timeout=20)
+        assert done.get_nowait() is None
+        deadline = time.monotonic() + 10
+        while (_alive(first_pid) or _alive(last_pid)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not _alive(first_pid) and not _alive(last_pid)
+
+    asyncio.run(scenario())
