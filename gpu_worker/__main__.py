@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-inflight",
         type=int_flag(1, MAX_INFLIGHT),
-        default=DEFAULTS["max_inflight"],
-        help=f"plans held at once, the worker's lookahead (1 to {MAX_INFLIGHT})",
+        help=f"plans held at once, the worker's lookahead (1 to {MAX_INFLIGHT}; default: "
+        f"{DEFAULTS['max_inflight']}, or with --pipeline-parallel P one plan per stage, P, "
+        "each a batch of its own; 1 feeds a group one plan at a time)",
     )
     parser.add_argument(
         "--heartbeat-s",
@@ -204,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _max_inflight(flag: int | None, pipeline_parallel: int) -> int:
+    """The flag, else one plan per stage of a group (at most MAX_INFLIGHT), else the default."""
+    if flag is not None:
+        return flag
+    if pipeline_parallel > 1:
+        return min(pipeline_parallel, MAX_INFLIGHT)
+    return int(DEFAULTS["max_inflight"])
+
+
 def _layer_split_flag(text: str) -> tuple[int, ...]:
     try:
         return parse_layer_split(text)
@@ -267,7 +277,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         kv_cache_fraction=args.kv_cache_fraction,
         block_size=args.block_size,
         kv_cache_max_sequences=args.kv_cache_max_sequences,
-        max_inflight=args.max_inflight,
+        max_inflight=_max_inflight(args.max_inflight, args.pipeline_parallel),
         heartbeat_s=args.heartbeat_s,
         cuda_graphs=args.cuda_graphs,
         compile_decode=args.compile_decode,

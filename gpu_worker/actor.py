@@ -68,7 +68,7 @@ from shared.redis_streams import (
     xadd_message,
 )
 from shared.request_log import queue_failure
-from shared.settings import MAX_INFLIGHT, WorkerSettings, served_model_name
+from shared.settings import WorkerSettings, served_model_name
 
 READ_BLOCK_MS = 100
 READ_COUNT = 16
@@ -109,21 +109,13 @@ class WorkerActor:
         """Lifetime of the heartbeat key after each refresh."""
         return heartbeat_ttl_ms(self.settings.heartbeat_s)
 
-    @property
-    def max_inflight(self) -> int:
-        """Plans this worker holds at once: its lookahead, or for a group of P stages
-        one plan per stage, each a batch of its own (Orca's Figure 8)."""
-        if self.settings.pipeline_parallel > 1:
-            return min(self.settings.pipeline_parallel, MAX_INFLIGHT)
-        return self.settings.max_inflight
-
     def joined_message(self) -> WorkerJoined:
         """The registration this worker sends."""
         return WorkerJoined(
             worker_id=self.worker_id,
             num_blocks=self.host.num_blocks,
             block_size=self.host.block_size,
-            max_inflight=self.max_inflight,
+            max_inflight=self.settings.max_inflight,
             pipeline_depth=self.settings.pipeline_parallel,
         )
 

@@ -36,7 +36,7 @@ from gpu_worker.pipeline_messages import (
     encoder,
 )
 from gpu_worker.pipeline_stage import PipelineStage
-from gpu_worker.plan_runner import PlanRunner, StartedPlan
+from gpu_worker.plan_runner import SUMMARY_EVERY_STEPS, PlanRunner, StartedPlan
 from gpu_worker.step_done import StepDone
 from gpu_worker.worker_group import GroupMember
 from shared.messages import StepPlan
@@ -71,6 +71,35 @@ class _InFlight:
     sent_s: float
 
 
+class StageBusy:
+    """Each stage's share of the wall time spent computing, logged every
+    ``SUMMARY_EVERY_STEPS`` steps (``pipeline_summary``): a stage that waits on
+    the others (a bubble) shows below 1."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self._busy_ms = [0.0] * num_stages
+        self._num_steps = 0
+        self._window_started_s = time.perf_counter()
+
+    def add(self, stage_ms: list[float]) -> None:
+        """One step's compute time in each stage (ms)."""
+        if len(stage_ms) != self.num_stages:
+            return  # a failed step
+        self._busy_ms = [total + ms for total, ms in zip(self._busy_ms, stage_ms, strict=True)]
+        self._num_steps += 1
+        if self._num_steps % SUMMARY_EVERY_STEPS == 0:
+            now = time.perf_counter()
+            wall_ms = max((now - self._window_started_s) * 1000, 1e-6)
+            _log.info(
+                "pipeline_summary",
+                num_steps=self._num_steps,
+                stage_busy_fraction=[round(ms / wall_ms, 3) for ms in self._busy_ms],
+            )
+            self._busy_ms = [0.0] * self.num_stages
+            self._window_started_s = now
+
+
 class PipelineDriver:
     """Rank 0's loop: plans from the shell (``PlanJob``s, None to end) to StepDones."""
 
@@ -88,6 +117,7 @@ class PipelineDriver:
         self._in_flight: deque[_InFlight] = deque()
         self._next_step_id = 0
         self._answers, self._answers_in = Pipe(duplex=False)
+        self.busy = StageBusy(member.world_size)
 
     def serve(self, connection: Connection, decode_job: Callable[[bytes], PlanJob | None]) -> None:
         """Until the shell's None (or its end): every plan run, every answer sent on;
@@ -145,6 +175,7 @@ class PipelineDriver:
             _log.error("pipeline_step_failed", step_index=in_flight.started.plan.step_index)
         step_ms = (time.perf_counter() - in_flight.sent_s) * 1000
         self.send(self.runner.finish(in_flight.started, outcome, step_ms))
+        self.busy.add(result.stage_ms)
 
     def _run(self, job: PlanJob) -> None:
         plan = job.plan
@@ -166,7 +197,7 @@ class PipelineDriver:
         except Exception:  # the step fails (the stages behind are told), the group goes on
             _log.exception("stage_step_failed", rank=0, step_index=plan.step_index)
             carried = None
-        link.send_hidden(carried, link.next)
+        link.send_hidden(carried, [(time.perf_counter() - sent_s) * 1000], link.next)
         worked = {work.request.spec.request_id for work in prepared.works}
         self._in_flight.append(_InFlight(self._next_step_id, started, named | worked, sent_s))
         self._next_step_id += 1

@@ -7,10 +7,10 @@ first, so the first stage's thread that waits for results never shares a
 group with the sends of its main thread.
 
 A message is its length (one int64) then its bytes (uint8). A stage's hidden
-states go as a flag (one int64: 1, or 0 when its forward failed and nothing
-follows) then the residual stream's two halves stacked, ``[2, T, hidden]``,
-through host memory (gloo's point-to-point takes CPU tensors; NCCL for a CUDA
-group is not built yet). A
+states go as a header (float64: 1, or 0 when its forward failed and nothing
+follows; then each stage's compute time so far, in ms) then the residual
+stream's two halves stacked, ``[2, T, hidden]``, through host memory (gloo's
+point-to-point takes CPU tensors; NCCL for a CUDA group is not built yet). A
 peer that dies breaks the connection: the waiting call raises (gloo), and the
 stage ends.
 """
@@ -62,21 +62,24 @@ class StageLink:
             dist.recv(data, src, group=group)
         return data.numpy().tobytes()
 
-    def send_hidden(self, carried: torch.Tensor | None, dst: int) -> None:
-        """The residual stream (None: this stage's forward failed) to rank ``dst``."""
-        dist.send(torch.tensor([0 if carried is None else 1], dtype=torch.int64), dst)
+    def send_hidden(self, carried: torch.Tensor | None, stage_ms: list[float], dst: int) -> None:
+        """The residual stream (None: this stage's forward failed) to rank ``dst``,
+        after how long each stage so far computed it (ms, one per stage)."""
+        header = torch.tensor([0.0 if carried is None else 1.0, *stage_ms], dtype=torch.float64)
+        dist.send(header, dst)
         if carried is not None:
             dist.send(carried.cpu().contiguous(), dst)
 
     def recv_hidden(
         self, src: int, num_tokens: int, hidden_size: int, dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """The residual stream of a step of ``num_tokens`` from rank ``src`` (None:
-        a stage before failed)."""
-        flag = torch.empty(1, dtype=torch.int64)
-        dist.recv(flag, src)
-        if not int(flag.item()):
-            return None
+    ) -> tuple[torch.Tensor | None, list[float]]:
+        """The residual stream of a step of ``num_tokens`` from rank ``src`` (None: a
+        stage before failed), and how long each stage before this one computed it."""
+        header = torch.empty(1 + self.rank, dtype=torch.float64)
+        dist.recv(header, src)
+        flag, *stage_ms = header.tolist()
+        if not flag:
+            return None, stage_ms
         carried = torch.empty((2, num_tokens, hidden_size), dtype=dtype)
         dist.recv(carried, src)
-        return carried
+        return carried, stage_ms

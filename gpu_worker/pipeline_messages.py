@@ -30,12 +30,12 @@ class StageStop(msgspec.Struct, frozen=True, tag="stop"):
 
 class StageResult(msgspec.Struct, frozen=True):
     """The last stage's answer to a step: each sampling row's token id or why it
-    could not be sampled (None: a stage's forward failed); how long the last
-    stage computed. ``step_id`` -1 answers the ``StageStop``."""
+    could not be sampled (None: a stage's forward failed); how long each stage
+    computed it (ms, stage by stage). ``step_id`` -1 answers the ``StageStop``."""
 
     step_id: int
     samples: list[int | str] | None
-    compute_ms: float = 0.0
+    stage_ms: list[float] = []
 
 
 STAGE_MESSAGE = msgspec.msgpack.Decoder(StageStep | StageStop)

@@ -45,7 +45,9 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
                 link.send_message(encoder.encode(StageResult(-1, None)), 0, results=True)
             return
         inputs = message.inputs
-        carried = link.recv_hidden(link.previous, len(inputs.token_ids), hidden_size, model.dtype)
+        carried, stage_ms = link.recv_hidden(
+            link.previous, len(inputs.token_ids), hidden_size, model.dtype
+        )
         started_s = time.perf_counter()
         output = None
         if carried is not None:
@@ -54,7 +56,8 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
             except Exception:  # the step fails, the stage goes on
                 _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
         if not member.last:
-            link.send_hidden(output, link.next)
+            stage_ms.append((time.perf_counter() - started_s) * 1000)
+            link.send_hidden(output, stage_ms, link.next)
             continue
         samples = None
         if output is not None:
@@ -62,8 +65,8 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
                 samples = sample_rows(output, message.sampling_rows)
             except Exception:
                 _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
-        compute_ms = (time.perf_counter() - started_s) * 1000
-        result = StageResult(message.step_id, samples, compute_ms)
+        stage_ms.append((time.perf_counter() - started_s) * 1000)
+        result = StageResult(message.step_id, samples, stage_ms)
         link.send_message(encoder.encode(result), 0, results=True)
 
 

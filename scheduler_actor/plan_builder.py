@@ -54,10 +54,12 @@ class PlanBuilder:
         self.max_plans_per_request = worker.max_plans_per_request if overlap else 1
         # A pipeline's running requests spread over its stages (Orca's Figure 8): a
         # plan goes on with at most its share of them, so the plans of the other
-        # stages get the rest; admissions come on top, up to the batch size.
+        # stages get the rest (a group fed one plan at a time has one batch);
+        # admissions come on top, up to the batch size.
         self.max_continuing: int | None = None
-        if worker.pipeline_depth > 1:
-            self.max_continuing = max(1, math.ceil(len(worker.placed) / worker.pipeline_depth))
+        num_batches = min(worker.pipeline_depth, worker.max_inflight)
+        if worker.pipeline_depth > 1 and num_batches > 1:
+            self.max_continuing = max(1, math.ceil(len(worker.placed) / num_batches))
         self.num_continuing = 0
         self.placed_ids: set[str] = set()  # placed on the worker by this plan
         # Every placement and preemption is recorded at once, so a policy's
