@@ -211,7 +211,7 @@ def _max_inflight(flag: int | None, pipeline_parallel: int) -> int:
         return flag
     if pipeline_parallel > 1:
         return min(pipeline_parallel, MAX_INFLIGHT)
-    return int(DEFAULTS["max_inflight"])
+    return WorkerSettings.max_inflight
 
 
 def _layer_split_flag(text: str) -> tuple[int, ...]:
