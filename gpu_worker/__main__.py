@@ -16,7 +16,12 @@ from gpu_worker.engine_host import (
     EngineThread,
     build_engine,
 )
-from gpu_worker.pipeline_layout import GroupConfigError, parse_layer_split, rendezvous_address
+from gpu_worker.pipeline_layout import (
+    GroupConfigError,
+    parse_layer_split,
+    rendezvous_address,
+    world_size,
+)
 from shared.log import configure_logging, run_actor, stop_on_signals
 from shared.metrics_http import run_with_metrics
 from shared.redis_streams import connect
@@ -159,9 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--pipeline-parallel",
         type=int_flag(1),
-        default=flag_environment_default("pipeline_parallel", DEFAULTS["pipeline_parallel"], int),
+        # A string default goes through ``type`` (argparse), so a bad $ORCAPOD_… is a usage error.
+        default=flag_environment_default("pipeline_parallel", DEFAULTS["pipeline_parallel"], str),
         help="pipeline stages, each running a run of consecutive layers (default: %(default)s: "
         "the whole model in one engine; at most the model's layers) ($ORCAPOD_PIPELINE_PARALLEL)",
+    )
+    group.add_argument(
+        "--tensor-parallel",
+        type=int_flag(1),
+        default=flag_environment_default("tensor_parallel", DEFAULTS["tensor_parallel"], str),
+        help="engine ranks of each stage, its layers' attention heads, K/V heads and MLP "
+        "split between them, one all-reduce after each row-parallel product (default: "
+        "%(default)s; must divide the model's heads, K/V heads and intermediate size) "
+        "($ORCAPOD_TENSOR_PARALLEL)",
     )
     group.add_argument(
         "--layer-split",
@@ -241,20 +256,23 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         parser.error(
             f"$ORCAPOD_WEIGHTS: {args.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}"
         )
-    if args.pipeline_parallel < 1:  # from the environment, unchecked by argparse
-        parser.error(f"--pipeline-parallel must be at least 1, got {args.pipeline_parallel}")
-    if args.pipeline_parallel > 1 and args.engine_thread:
-        parser.error("a worker group (--pipeline-parallel above 1) runs its engines in processes")
+    for flag, value in (("--pipeline-parallel", args.pipeline_parallel),
+                        ("--tensor-parallel", args.tensor_parallel)):  # fmt: skip
+        if value < 1:  # from the environment, unchecked by argparse
+            parser.error(f"{flag} must be at least 1, got {value}")
+    num_ranks = args.pipeline_parallel * args.tensor_parallel
+    if num_ranks > 1 and args.engine_thread:
+        parser.error("a worker group (--pipeline-parallel or --tensor-parallel above 1) runs "
+                     "its engines in processes")  # fmt: skip
     if args.layer_split is not None and len(args.layer_split) != args.pipeline_parallel:
         parser.error(
             f"--layer-split names {len(args.layer_split)} stages but --pipeline-parallel "
             f"is {args.pipeline_parallel}"
         )
-    if args.group_rank is not None and args.pipeline_parallel > 1:
-        if args.group_rank >= args.pipeline_parallel:
+    if args.group_rank is not None and num_ranks > 1:
+        if args.group_rank >= num_ranks:
             parser.error(
-                f"--group-rank {args.group_rank} is outside the group's ranks 0 to "
-                f"{args.pipeline_parallel - 1}"
+                f"--group-rank {args.group_rank} is outside the group's ranks 0 to {num_ranks - 1}"
             )
         if args.rendezvous is None:
             parser.error(
@@ -286,6 +304,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> WorkerSettings:
         metrics_port=args.metrics_port,
         engine_process=not args.engine_thread,
         pipeline_parallel=args.pipeline_parallel,
+        tensor_parallel=args.tensor_parallel,
         layer_split=args.layer_split,
         group_rank=args.group_rank,
         rendezvous=args.rendezvous,
@@ -310,7 +329,7 @@ async def serve(settings: WorkerSettings, host: EngineHost) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; exit status 0 after a clean shutdown."""
     settings = parse_settings(argv)
-    if settings.pipeline_parallel > 1 and settings.group_rank not in (None, 0):
+    if world_size(settings) > 1 and settings.group_rank not in (None, 0):
         # A stage behind the first, on a host of its own: no Redis, no shell.
         from gpu_worker.pipeline_stage_loop import stage_process_main
 

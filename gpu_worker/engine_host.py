@@ -40,7 +40,7 @@ import msgspec
 import structlog
 
 from gpu_worker.engine_stats import EngineStats
-from gpu_worker.pipeline_layout import free_local_port, local_ranks
+from gpu_worker.pipeline_layout import free_local_port, local_ranks, world_size
 from gpu_worker.step_done import StepDone
 from shared.messages import StepPlan
 from shared.parent_death import die_with_parent
@@ -293,7 +293,7 @@ class EngineProcess:
     """
 
     def __init__(self, settings: WorkerSettings) -> None:
-        if settings.pipeline_parallel > 1 and settings.rendezvous is None:
+        if world_size(settings) > 1 and settings.rendezvous is None:
             # Every rank here: they meet on this host.
             settings = dataclasses.replace(settings, rendezvous=f"127.0.0.1:{free_local_port()}")
         self.settings = settings
@@ -507,7 +507,7 @@ def engine_process_main(settings: WorkerSettings, connection: Connection) -> Non
         with contextlib.suppress(OSError):  # the shell is gone: this process ends soon
             send(PathsInUse(paths, compiling))
 
-    if settings.pipeline_parallel > 1:
+    if world_size(settings) > 1:
         _serve_first_stage(settings, connection, send)
         return
     try:
@@ -564,7 +564,7 @@ def _serve_first_stage(
     send(PathsInUse([PIPELINE_PATH], False))
     send(EngineReady(engine.num_blocks, engine.block_size))
     backend_name = settings.attention_backend or default_backend_name(member.model.device)
-    stage = PipelineStage(member.model, engine.kv_cache, backend_name, first=True, last=False)
+    stage = PipelineStage(member.model, engine.kv_cache, backend_name, first=True, last=member.last)
     driver = PipelineDriver(PlanRunner(engine, settings.worker_id), member, stage, send)
     try:
         driver.serve(connection, _JOB.decode)

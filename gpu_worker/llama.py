@@ -7,6 +7,8 @@ is split per request, inside the attention backend. No sampling, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gpu_worker.attention import AttentionBackend, kv_writer
@@ -36,6 +38,10 @@ class LlamaModel:
         self.dtype = dtype
         self.rotary = RotaryEmbedding(config, device, dtype)
         self.pointwise = pointwise or make_pointwise(default_pointwise_name(device))
+        # A tensor-parallel rank's partial sums of the row-parallel products (the
+        # output and down projections) added up across its ranks, in place
+        # (``tensor_shard.py``); None: the whole model is here.
+        self.reduce_partial: Callable[[torch.Tensor], None] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -115,8 +121,12 @@ class LlamaModel:
             )  # fmt: skip
             attended = backend.attend(query, layer_keys, layer_values, attention_plan)
             delta = linear(attended.reshape(len(query), -1), layer.o_proj)
+            if self.reduce_partial is not None:
+                self.reduce_partial(delta)
             hidden, x = ops.add_rms_norm(hidden, delta, layer.post_attention_norm, eps)
             delta = linear(ops.silu_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
+            if self.reduce_partial is not None:
+                self.reduce_partial(delta)
         return hidden, delta
 
     def final_rows(

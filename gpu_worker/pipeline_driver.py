@@ -37,6 +37,7 @@ from gpu_worker.pipeline_messages import (
 )
 from gpu_worker.pipeline_stage import PipelineStage
 from gpu_worker.plan_runner import SUMMARY_EVERY_STEPS, PlanRunner, StartedPlan
+from gpu_worker.sampler import sample_rows
 from gpu_worker.step_done import StepDone
 from gpu_worker.worker_group import GroupMember
 from shared.messages import StepPlan
@@ -117,13 +118,16 @@ class PipelineDriver:
         self._in_flight: deque[_InFlight] = deque()
         self._next_step_id = 0
         self._answers, self._answers_in = Pipe(duplex=False)
-        self.busy = StageBusy(member.world_size)
+        self.busy = StageBusy(member.link.num_stages)
 
     def serve(self, connection: Connection, decode_job: Callable[[bytes], PlanJob | None]) -> None:
         """Until the shell's None (or its end): every plan run, every answer sent on;
         then the stages are stopped in order. Raises PipelineBroken where a rank is gone."""
-        listener = threading.Thread(target=self._listen, name="pipeline-answers", daemon=True)
-        listener.start()
+        link = self.member.link
+        listener = None
+        if not self.member.last:  # the answers come from another stage
+            listener = threading.Thread(target=self._listen, name="pipeline-answers", daemon=True)
+            listener.start()
         try:
             while True:
                 ready = wait([connection, self._answers])
@@ -139,9 +143,14 @@ class PipelineDriver:
                 self._run(job)
             while self._in_flight:
                 self._take_answer()
-            self.member.link.send_message(encoder.encode(StageStop()), self.member.link.next)
+            stop = encoder.encode(StageStop())
+            link.share_message(stop)
+            if not self.member.last:
+                link.send_message(stop, link.next)
+            link.wait_sent()
         finally:
-            listener.join(timeout=5)
+            if listener is not None:
+                listener.join(timeout=5)
 
     def _listen(self) -> None:
         """The last stage's answers to the loop, until the answer to the stop."""
@@ -189,15 +198,26 @@ class PipelineDriver:
             return
         prepared = started.prepared
         step = StageStep(self._next_step_id, prepared.inputs, prepared.sampling_rows())
+        self._next_step_id += 1
         link = self.member.link
         sent_s = time.perf_counter()
-        link.send_message(encoder.encode(step), link.next)  # forward-on-issue
+        payload = encoder.encode(step)
+        link.share_message(payload)  # this stage's other tensor ranks
+        if not self.member.last:
+            link.send_message(payload, link.next)  # forward-on-issue
+        outcome = None
         try:
-            carried = self.stage.forward(prepared.inputs, None)
+            output = self.stage.forward(prepared.inputs, None)
+            if self.member.last:  # one stage: its logits are here
+                outcome = StepOutcome(sample_rows(output, step.sampling_rows), PIPELINE_PATH)
         except Exception:  # the step fails (the stages behind are told), the group goes on
             _log.exception("stage_step_failed", rank=0, step_index=plan.step_index)
-            carried = None
-        link.send_hidden(carried, [(time.perf_counter() - sent_s) * 1000], link.next)
+            output = None
+        compute_ms = (time.perf_counter() - sent_s) * 1000
+        if self.member.last:
+            self.send(self.runner.finish(started, outcome, compute_ms))
+            self.busy.add([compute_ms])
+            return
+        link.send_hidden(output, [compute_ms], link.next)
         worked = {work.request.spec.request_id for work in prepared.works}
-        self._in_flight.append(_InFlight(self._next_step_id, started, named | worked, sent_s))
-        self._next_step_id += 1
+        self._in_flight.append(_InFlight(step.step_id, started, named | worked, sent_s))

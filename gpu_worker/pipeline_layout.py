@@ -85,10 +85,15 @@ def rendezvous_address(text: str | None) -> tuple[str, int]:
     return host, int(port)
 
 
+def world_size(settings: WorkerSettings) -> int:
+    """Ranks of the group: its stages times the tensor-parallel ranks of each."""
+    return settings.pipeline_parallel * settings.tensor_parallel
+
+
 def local_ranks(settings: WorkerSettings) -> list[int]:
     """The ranks this host runs: all of them, or the one of ``--group-rank``."""
     if settings.group_rank is None:
-        return list(range(settings.pipeline_parallel))
+        return list(range(world_size(settings)))
     return [settings.group_rank]
 
 

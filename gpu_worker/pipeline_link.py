@@ -1,56 +1,98 @@
-"""A stage's wires to its neighbours in a worker group, over ``torch.distributed``.
+"""A rank's wires to the rest of its worker group, over ``torch.distributed``.
 
-Two process groups of the same ranks: the world carries each step's
-``StageStep`` and then its hidden states from stage to stage (gloo);
-a second gloo group carries the last stage's ``StageResult`` back to the
-first, so the first stage's thread that waits for results never shares a
-group with the sends of its main thread.
+Rank r is tensor rank ``r % T`` of pipeline stage ``r // T``; a stage's tensor
+rank 0 is its leader. Leaders pass each step's ``StageStep`` and then its
+hidden states to the next stage's leader over the world group (gloo); the
+last stage's leader sends the ``StageResult`` back to rank 0 on a second gloo
+group, so the first stage's thread that waits for results never shares a
+group with the sends of its main thread; a leader shares what it receives
+with its stage's other tensor ranks by broadcast on the stage's own group,
+where the layers' all-reduces run too.
 
 A message is its length (one int64) then its bytes (uint8). A stage's hidden
-states go as a header (float64: 1, or 0 when its forward failed and nothing
+states go as a header (float64: 1, or 0 when a forward failed and nothing
 follows; then each stage's compute time so far, in ms) then the residual
 stream's two halves stacked, ``[2, T, hidden]``, through host memory (gloo's
 point-to-point takes CPU tensors; NCCL for a CUDA group is not built yet). A
-peer that dies breaks the connection: the waiting call raises (gloo), and the
-stage ends.
+peer that dies breaks the connection: the waiting call raises (gloo), and
+the rank ends.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 
 class StageLink:
-    """Sends and receives of one rank of a pipeline of ``world_size`` stages."""
+    """Sends and receives of one rank of ``num_stages`` stages of ``tensor_parallel`` ranks."""
 
-    def __init__(self, rank: int, world_size: int, result_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        rank: int,
+        num_stages: int,
+        tensor_parallel: int,
+        result_group: dist.ProcessGroup,
+        stage_group: dist.ProcessGroup | None,
+    ) -> None:
         self.rank = rank
-        self.world_size = world_size
+        self.num_stages = num_stages
+        self.tensor_parallel = tensor_parallel
         self.result_group = result_group
+        self.stage_group = stage_group  # None: one rank a stage
+        self.stage = rank // tensor_parallel
+        self.leader = self.stage * tensor_parallel
+        self._pending_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank talks to the stages before and after."""
+        return self.rank == self.leader
 
     @property
     def previous(self) -> int:
-        """The stage before this one."""
-        return self.rank - 1
+        """The leader of the stage before."""
+        return self.leader - self.tensor_parallel
 
     @property
     def next(self) -> int:
-        """The stage after this one."""
-        return self.rank + 1
+        """The leader of the stage after."""
+        return self.leader + self.tensor_parallel
 
     @property
     def last(self) -> int:
-        """The last stage, which samples."""
-        return self.world_size - 1
+        """The leader of the last stage, which samples."""
+        return (self.num_stages - 1) * self.tensor_parallel
 
     def send_message(self, payload: bytes, dst: int, results: bool = False) -> None:
-        """``payload`` to rank ``dst`` (on the results group when ``results``)."""
+        """``payload`` to rank ``dst`` (on the results group when ``results``), without
+        waiting for ``dst`` to take it."""
         group = self.result_group if results else None
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst, group=group)
-        if len(payload):
-            dist.send(data, dst, group=group)
+        self._send(torch.tensor([len(payload)], dtype=torch.int64), dst, group)
+        if payload:
+            self._send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group)
+
+    def _send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
+        """Post a send and go on: gloo's send waits until the peer has posted its
+        receive, so a stage that sent the next step (or its hidden states) to a
+        stage still computing the last one would wait for it: lock-step, no
+        pipeline. Sends to one peer arrive in order; the tensor is kept until its
+        send is done, and a send that failed raises at the next one."""
+        pending = self._pending_sends
+        while pending and pending[0][0].is_completed():
+            done, _ = pending.popleft()
+            done.wait()  # raises if the send failed (the peer is gone)
+        posted = dist.isend(tensor, dst, group=group)
+        assert posted is not None
+        pending.append((posted, tensor))
+
+    def wait_sent(self) -> None:
+        """Until every send posted is done (before the rank ends)."""
+        while self._pending_sends:
+            work, _ = self._pending_sends.popleft()
+            work.wait()
 
     def recv_message(self, src: int, results: bool = False) -> bytes:
         """The next message from rank ``src``."""
@@ -62,20 +104,35 @@ class StageLink:
             dist.recv(data, src, group=group)
         return data.numpy().tobytes()
 
+    def share_message(self, payload: bytes | None) -> bytes:
+        """The leader's ``payload`` on every rank of the stage (others pass None)."""
+        if self.stage_group is None:
+            assert payload is not None
+            return payload
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, self.leader, group=self.stage_group)
+        if payload is not None:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        if len(data):
+            dist.broadcast(data, self.leader, group=self.stage_group)
+        return data.numpy().tobytes()
+
     def send_hidden(self, carried: torch.Tensor | None, stage_ms: list[float], dst: int) -> None:
-        """The residual stream (None: this stage's forward failed) to rank ``dst``,
-        after how long each stage so far computed it (ms, one per stage)."""
+        """The residual stream (None: a forward failed) to rank ``dst``, after how
+        long each stage so far computed it (ms, one per stage)."""
         header = torch.tensor([0.0 if carried is None else 1.0, *stage_ms], dtype=torch.float64)
-        dist.send(header, dst)
+        self._send(header, dst, None)
         if carried is not None:
-            dist.send(carried.cpu().contiguous(), dst)
+            self._send(carried.cpu().contiguous(), dst, None)
 
     def recv_hidden(
         self, src: int, num_tokens: int, hidden_size: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor | None, list[float]]:
         """The residual stream of a step of ``num_tokens`` from rank ``src`` (None: a
-        stage before failed), and how long each stage before this one computed it."""
-        header = torch.empty(1 + self.rank, dtype=torch.float64)
+        forward failed before), and how long each stage before this one computed it."""
+        header = torch.empty(1 + self.stage, dtype=torch.float64)
         dist.recv(header, src)
         flag, *stage_ms = header.tolist()
         if not flag:
@@ -83,3 +140,28 @@ class StageLink:
         carried = torch.empty((2, num_tokens, hidden_size), dtype=dtype)
         dist.recv(carried, src)
         return carried, stage_ms
+
+    def share_hidden(
+        self, carried: torch.Tensor | None, num_tokens: int, hidden_size: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The leader's residual stream (None: a forward failed) on every rank of the
+        stage; the others pass None."""
+        if self.stage_group is None:
+            return carried
+        flag = torch.tensor([1 if carried is not None else 0], dtype=torch.int64)
+        if not self.is_leader:
+            flag = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(flag, self.leader, group=self.stage_group)
+        if not int(flag.item()):
+            return None
+        if carried is None:
+            carried = torch.empty((2, num_tokens, hidden_size), dtype=dtype)
+        else:
+            carried = carried.cpu().contiguous()
+        dist.broadcast(carried, self.leader, group=self.stage_group)
+        return carried
+
+    def reduce_partial(self, partial: torch.Tensor) -> None:
+        """A row-parallel product's partial sums added up across the stage's ranks, in place."""
+        assert self.stage_group is not None
+        dist.all_reduce(partial, group=self.stage_group)

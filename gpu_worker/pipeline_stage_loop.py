@@ -1,7 +1,8 @@
-"""The stages behind the first in a worker group: each step as the first stage
-sent it, passed on at once (forward-on-issue), then this stage's layers over
-the hidden states the stage before sent; the last stage samples and answers
-the first. Nothing here talks to Redis.
+"""The ranks of a worker group but rank 0: each step as the first stage sent
+it, passed on at once by each stage's leader (forward-on-issue) and shared with
+the stage's other tensor ranks, then the stage's layers over the hidden states
+the stage before sent (or the token ids, in the first stage); the last stage's
+leader samples and answers rank 0. Nothing here talks to Redis.
 """
 
 from __future__ import annotations
@@ -30,33 +31,45 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
     kv_cache = PagedKVCache(
         model.config, kv_size.num_blocks, kv_size.block_size, model.device, model.dtype
     )
-    stage = PipelineStage(model, kv_cache, backend_name, first=False, last=member.last)
     link = member.link
+    samples_here = member.last and link.is_leader
+    stage = PipelineStage(model, kv_cache, backend_name, first=member.first, last=samples_here)
     hidden_size = model.config.hidden_size
     while True:
-        payload = link.recv_message(link.previous)
-        if not member.last:
-            link.send_message(
-                payload, link.next
-            )  # the next stage has the plan before our compute ends
+        payload = None
+        if link.is_leader:
+            payload = link.recv_message(link.previous)
+            if not member.last:
+                # The next stage has the plan before this one's compute ends.
+                link.send_message(payload, link.next)
+        payload = link.share_message(payload)
         message = STAGE_MESSAGE.decode(payload)
         if isinstance(message, StageStop):
-            if member.last:
+            if samples_here:
                 link.send_message(encoder.encode(StageResult(-1, None)), 0, results=True)
+            link.wait_sent()
             return
         inputs = message.inputs
-        carried, stage_ms = link.recv_hidden(
-            link.previous, len(inputs.token_ids), hidden_size, model.dtype
-        )
+        stage_ms: list[float] = []
+        carried = None
+        num_tokens = len(inputs.token_ids)
+        if not member.first:
+            if link.is_leader:
+                carried, stage_ms = link.recv_hidden(
+                    link.previous, num_tokens, hidden_size, model.dtype
+                )
+            carried = link.share_hidden(carried, num_tokens, hidden_size, model.dtype)
         started_s = time.perf_counter()
         output = None
-        if carried is not None:
+        if member.first or carried is not None:
             try:
                 output = stage.forward(inputs, carried)
             except Exception:  # the step fails, the stage goes on
                 _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
+        if not link.is_leader:
+            continue  # the leader passes the stage's result on
+        stage_ms.append((time.perf_counter() - started_s) * 1000)
         if not member.last:
-            stage_ms.append((time.perf_counter() - started_s) * 1000)
             link.send_hidden(output, stage_ms, link.next)
             continue
         samples = None
@@ -65,7 +78,6 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
                 samples = sample_rows(output, message.sampling_rows)
             except Exception:
                 _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
-        stage_ms.append((time.perf_counter() - started_s) * 1000)
         result = StageResult(message.step_id, samples, stage_ms)
         link.send_message(encoder.encode(result), 0, results=True)
 

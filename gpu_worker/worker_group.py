@@ -36,9 +36,11 @@ from gpu_worker.pipeline_layout import (
     num_local_ranks,
     rendezvous_address,
     stage_layer_ranges,
+    world_size,
 )
 from gpu_worker.pipeline_link import StageLink
 from gpu_worker.pipeline_stage import stage_model
+from gpu_worker.tensor_shard import check_tensor_parallel, shard_config, shard_layer
 from shared.settings import WorkerSettings, default_kv_cache_fraction
 
 _log = structlog.get_logger(__name__)
@@ -77,6 +79,7 @@ def model_fingerprint(model: LlamaModel, weight_format: str, settings: WorkerSet
     return (
         f"{model.config} dtype={model.dtype} weights={weight_format} "
         f"pipeline_parallel={settings.pipeline_parallel} layer_split={settings.layer_split} "
+        f"tensor_parallel={settings.tensor_parallel} "
         f"digest={digest.hexdigest()[:16]}"
     )
 
@@ -94,13 +97,14 @@ class GroupMember:
 
     @property
     def first(self) -> bool:
-        """Whether this rank embeds the tokens (and talks to the shell)."""
-        return self.rank == 0
+        """Whether this rank's stage embeds the tokens (its leader, rank 0, talks to
+        the shell)."""
+        return self.link.stage == 0
 
     @property
     def last(self) -> bool:
-        """Whether this rank samples."""
-        return self.rank == self.world_size - 1
+        """Whether this rank's stage is the last (its leader samples)."""
+        return self.link.stage == self.link.num_stages - 1
 
 
 def _stage_budget(settings: WorkerSettings, device: torch.device) -> KVCacheBudget:
@@ -118,8 +122,8 @@ def _stage_budget(settings: WorkerSettings, device: torch.device) -> KVCacheBudg
 
 
 def _load_stage(settings: WorkerSettings, rank: int) -> tuple[range, LlamaModel, KVCacheSize, str]:
-    """This rank's layers, stage model, pool size and fingerprint (raises
-    GroupConfigError or KVCacheSizeError for a setting to change)."""
+    """This rank's layers, stage model (its tensor-parallel share), pool size and
+    fingerprint (raises GroupConfigError or KVCacheSizeError for a setting to change)."""
     from gpu_worker.model_loading import load_model
     from gpu_worker.quantized_linear import weight_format_of
 
@@ -129,15 +133,41 @@ def _load_stage(settings: WorkerSettings, rank: int) -> tuple[range, LlamaModel,
     ranges = stage_layer_ranges(
         model.config.num_layers, settings.pipeline_parallel, settings.layer_split
     )
-    fingerprint = model_fingerprint(model, weight_format_of(model.weights), settings)
-    layers = ranges[rank]
-    last = rank == settings.pipeline_parallel - 1
-    stage = stage_model(model, layers, first=rank == 0, last=last)
+    check_tensor_parallel(model.config, settings.tensor_parallel)
+    weight_format = weight_format_of(model.weights)
+    fingerprint = model_fingerprint(model, weight_format, settings)
+    stage, tensor_rank = divmod(rank, settings.tensor_parallel)
+    first, last = stage == 0, stage == settings.pipeline_parallel - 1
+    layers = ranges[stage]
+    if settings.tensor_parallel > 1:
+        model = _tensor_shard(model, settings, tensor_rank, weight_format)
+    # A stage's other tensor ranks leave the LM head and the sampling to its leader.
+    stage_part = stage_model(model, layers, first=first, last=last and tensor_rank == 0)
     del model
-    size = kv_cache_size(
-        stage.config, _stage_budget(settings, stage.device), stage.device, stage.dtype
-    )
-    return layers, stage, size, fingerprint
+    budget = _stage_budget(settings, stage_part.device)
+    size = kv_cache_size(stage_part.config, budget, stage_part.device, stage_part.dtype)
+    return layers, stage_part, size, fingerprint
+
+
+def _tensor_shard(
+    model: LlamaModel, settings: WorkerSettings, tensor_rank: int, weight_format: str
+) -> LlamaModel:
+    """``model`` (packed as ``weight_format``) with every layer cut to this tensor
+    rank's share: cut from the loaded weights, then packed the same way (the
+    whole model's probe already chose the format); embeddings, norms and head whole."""
+    from gpu_worker.quantized_linear import pack_weights
+    from gpu_worker.weights import load_weights
+
+    config, device, dtype = model.config, model.device, model.dtype
+    loaded = load_weights(settings.model.model_dir, config, device, dtype)
+    layers = [
+        shard_layer(layer, config, settings.tensor_parallel, tensor_rank) for layer in loaded.layers
+    ]
+    shard = dataclasses.replace(loaded, layers=layers)
+    packed = pack_weights(shard, weight_format, device, dtype, include_lm_head=False)
+    weights = dataclasses.replace(packed, lm_head=model.weights.lm_head)
+    shard_shape = shard_config(config, settings.tensor_parallel)
+    return LlamaModel(shard_shape, weights, device, dtype, model.pointwise)
 
 
 def _connect(settings: WorkerSettings, rank: int) -> dist.TCPStore:
@@ -145,7 +175,7 @@ def _connect(settings: WorkerSettings, rank: int) -> dist.TCPStore:
     timeout = datetime.timedelta(seconds=settings.rendezvous_timeout_s)
     try:
         return dist.TCPStore(
-            host, port, settings.pipeline_parallel, is_master=rank == 0,
+            host, port, world_size(settings), is_master=rank == 0,
             timeout=timeout, wait_for_workers=False,
         )  # fmt: skip
     except Exception as error:  # refused, unreachable, timed out: the rendezvous is not there
@@ -157,7 +187,7 @@ def _connect(settings: WorkerSettings, rank: int) -> dist.TCPStore:
 
 def _judge(store: dist.TCPStore, settings: WorkerSettings) -> _Verdict:
     """Rank 0: every rank's report within the timeout, the same model, the smallest pool."""
-    world = settings.pipeline_parallel
+    world = world_size(settings)
     keys = [f"{_KEY}report/{rank}" for rank in range(world)]
     deadline = time.monotonic() + settings.rendezvous_timeout_s
     while not store.check(keys):
@@ -184,7 +214,7 @@ def _judge(store: dist.TCPStore, settings: WorkerSettings) -> _Verdict:
 def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
     """Load this rank's stage, meet the others, and start the process groups;
     GroupStartError (on every rank alike) where the group cannot start."""
-    world = settings.pipeline_parallel
+    world = world_size(settings)
     if not 0 <= rank < world:
         raise GroupStartError(f"--group-rank {rank} is outside the group's ranks 0 to {world - 1}")
     if num_local_ranks(settings) > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -227,6 +257,18 @@ def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
         timeout=timeout,
     )  # fmt: skip
     result_group = dist.new_group(backend="gloo", timeout=timeout)
+    # Every rank makes every stage's group, in the same order (new_group's rule).
+    tensor_parallel = settings.tensor_parallel
+    stage_group = None
+    if tensor_parallel > 1:
+        stage_groups = [
+            dist.new_group(list(range(start, start + tensor_parallel)), timeout, "gloo")
+            for start in range(0, world, tensor_parallel)
+        ]
+        stage_group = stage_groups[rank // tensor_parallel]
+    link = StageLink(rank, settings.pipeline_parallel, tensor_parallel, result_group, stage_group)
+    if stage_group is not None:
+        model.reduce_partial = link.reduce_partial
     _log.info(
         "group_rank_joined", rank=rank, world_size=world, pid=os.getpid(),
         layers=f"{layers.start}-{layers.stop - 1}", num_blocks=verdict.num_blocks,
@@ -238,5 +280,5 @@ def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
         layers=layers,
         model=model,
         kv_size=dataclasses.replace(size, num_blocks=verdict.num_blocks),
-        link=StageLink(rank, world, result_group),
+        link=link,
     )

@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-parallel; default: 1, the whole model in one engine)",
     )
     parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="engine ranks of each stage of each worker, its layers' heads and MLP split "
+        "between them (python -m gpu_worker --tensor-parallel; default: 1)",
+    )
+    parser.add_argument(
         "--gateways", type=int, default=1, help="gateway processes (>= 1), on consecutive ports"
     )
     parser.add_argument(
@@ -280,6 +287,8 @@ def _serve(
                 str(worker_metrics_ports[i]),
                 "--pipeline-parallel",
                 str(args.pipeline_parallel),
+                "--tensor-parallel",
+                str(args.tensor_parallel),
                 *args.worker_arg,
             ),
             env,
@@ -352,9 +361,11 @@ def _serve(
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``orcapod up``."""
     args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.gateways < 1 or args.pipeline_parallel < 1:
+    counts = (args.workers, args.gateways, args.pipeline_parallel, args.tensor_parallel)
+    if min(counts) < 1:
         print(
-            "orcapod up: --workers, --gateways and --pipeline-parallel must be >= 1",
+            "orcapod up: --workers, --gateways, --pipeline-parallel and --tensor-parallel "
+            "must be >= 1",
             file=sys.stderr,
         )
         return 2

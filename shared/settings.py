@@ -183,13 +183,16 @@ class SchedulerSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     # A worker group (gpu_worker/worker_group.py): the model's layers split into
-    # pipeline_parallel stages, one engine rank each, over torch.distributed.
+    # pipeline_parallel stages of tensor_parallel engine ranks each, over
+    # torch.distributed; rank r is tensor rank r % T of stage r // T.
     # layer_split: each stage's layers (None: balanced by count). group_rank: the
     # one rank this process runs (None: every rank, on this host); rank 0 is the
     # group's only Redis client. rendezvous: HOST:PORT of rank 0's store (None:
     # a free port on 127.0.0.1, every rank here). local_ranks: the ranks on this
     # host, which share its memory (None: all of them, or 1 with group_rank).
     pipeline_parallel: int = 1
+    # Ranks of each stage, its layers' heads and MLP split between them.
+    tensor_parallel: int = 1
     layer_split: tuple[int, ...] | None = None
     group_rank: int | None = None
     rendezvous: str | None = None
@@ -291,13 +294,16 @@ class WorkerSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     # A worker group (gpu_worker/worker_group.py): the model's layers split into
-    # pipeline_parallel stages, one engine rank each, over torch.distributed.
+    # pipeline_parallel stages of tensor_parallel engine ranks each, over
+    # torch.distributed; rank r is tensor rank r % T of stage r // T.
     # layer_split: each stage's layers (None: balanced by count). group_rank: the
     # one rank this process runs (None: every rank, on this host); rank 0 is the
     # group's only Redis client. rendezvous: HOST:PORT of rank 0's store (None:
     # a free port on 127.0.0.1, every rank here). local_ranks: the ranks on this
     # host, which share its memory (None: all of them, or 1 with group_rank).
     pipeline_parallel: int = 1
+    # Ranks of each stage, its layers' heads and MLP split between them.
+    tensor_parallel: int = 1
     layer_split: tuple[int, ...] | None = None
     group_rank: int | None = None
     rendezvous: str | None = None

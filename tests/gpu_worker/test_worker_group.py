@@ -1,7 +1,7 @@
-"""A worker group of pipeline stages over torch.distributed (gloo), as the worker
-runs it: its answers are one engine's, token for token, with plans in flight in
-every stage; a group that cannot be made is refused at start on every rank; a
-rank that dies ends the group, and no rank waits for ever."""
+"""A worker group (pipeline stages of tensor-parallel ranks) over torch.distributed
+(gloo), as the worker runs it: its answers are one engine's, token for token,
+with plans in flight in every stage; a group that cannot be made is refused at
+start on every rank; a rank that dies ends the group, and no rank waits for ever."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from scheduler_actor.core import Scheduler
 from shared.messages import SamplingParams
 from shared.settings import RedisSettings, WorkerSettings, model_location
 from tests.gpu_worker import overlap_scenario
-from tests.gpu_worker.test_engine_host import KV_CACHE_BYTES, _run
+from tests.gpu_worker.test_engine_host import KV_CACHE_BYTES, _plans, _run
 from tests.gpu_worker.tiny_models import write_tiny_model
 
 REPO = Path(__file__).parents[2]
@@ -65,10 +65,16 @@ def _alive(pid: int) -> bool:
     return status != "Z"
 
 
-def test_a_group_runs_plans_as_one_engine_does(tiny_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("num_stages", "tensor_parallel"), [(2, 1), (1, 2), (2, 2)], ids=["P2", "T2", "P2xT2"]
+)
+def test_a_group_runs_plans_as_one_engine_does(
+    tiny_dir: Path, num_stages: int, tensor_parallel: int
+) -> None:
     # The plans overlap (each decode is sent before the step before it is done), so
     # the first stage must wait for the last one's sample before it begins the next.
-    group = EngineProcess(_group(tiny_dir, 2))
+    # The tiny Llama's 4 heads, 2 K/V heads and 160 MLP units split over 2 ranks.
+    group = EngineProcess(_group(tiny_dir, num_stages, tensor_parallel=tensor_parallel))
     by_group = asyncio.run(_run(group))
     model = load_model(tiny_dir, device="cpu", dtype="float32")
     engine = Engine(model, KVCacheBudget(num_bytes=KV_CACHE_BYTES), "cpu", worker_id="w-host")
@@ -79,8 +85,8 @@ def test_a_group_runs_plans_as_one_engine_does(tiny_dir: Path) -> None:
     assert by_group[-1].batches["gw"][0].finish_reason == "length"
     assert [item.output.path for item in by_group if item.output] == ["pipeline"] * 4
     assert group.stats.live_paths == ["pipeline"] and group.stats.num_steps == 4
-    # Each stage holds one of the two layers: twice one engine's blocks in the same bytes.
-    assert group.num_blocks == 2 * engine.num_blocks
+    # Each rank holds a share of the layers or heads: more blocks in the same bytes.
+    assert group.num_blocks == num_stages * tensor_parallel * engine.num_blocks
     assert all(not process.is_alive() for process in group._stage_processes)
 
 
@@ -145,17 +151,22 @@ def alone(prepared_model_dir: Path, chats: dict[str, list[int]]) -> dict[str, li
     return tokens
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
-def test_staggered_chats_on_a_pipeline_answer_as_each_alone(
+@pytest.mark.parametrize(("num_stages", "tensor_parallel"), [(3, 1), (2, 3)], ids=["P3", "P2xT3"])
+def test_staggered_chats_on_a_group_answer_as_each_alone(
     prepared_model_dir: Path,
     chats: dict[str, list[int]],
     alone: dict[str, list[int]],
     num_stages: int,
+    tensor_parallel: int,
 ) -> None:
-    # SmolLM2 with the worker's default weights on this CPU, its 30 layers in 2 or 3
-    # stages; chats join while others decode (mixed steps, prompts in chunks), the
-    # pool too small for all of them (preemptions), and the scheduler keeps one
-    # plan per stage in flight, so each stage works on its own batch.
+    # SmolLM2 with the worker's default weights on this CPU, its 30 layers in 3 stages
+    # (a middle one passes plans and hidden states on), or in 2 stages of 3 tensor
+    # ranks (its 9 heads, 3 K/V heads and 1,536 MLP units split in 3); chats join
+    # while others decode (mixed steps, prompts in chunks), the pool too small for
+    # all of them (preemptions), and the scheduler keeps one plan per stage in
+    # flight, so each stage works on its own batch. Tensor ranks add partial sums in
+    # another order than one matrix product: the logits differ by rounding, and the
+    # greedy answers must still be the same.
     config = load_model_config(prepared_model_dir)
     pool_bytes = overlap_scenario.NUM_BLOCKS * bytes_per_block(
         config, overlap_scenario.BLOCK_SIZE, torch.float32
@@ -164,8 +175,9 @@ def test_staggered_chats_on_a_pipeline_answer_as_each_alone(
         prepared_model_dir,
         num_stages,
         weight_format="auto",
-        kv_cache_bytes=pool_bytes // num_stages,
+        kv_cache_bytes=pool_bytes // (num_stages * tensor_parallel),
         block_size=overlap_scenario.BLOCK_SIZE,
+        tensor_parallel=tensor_parallel,
     )
     host = EngineProcess(settings)
     by_group, most_in_flight = asyncio.run(_serve_chats(host, num_stages, chats))
@@ -174,9 +186,18 @@ def test_staggered_chats_on_a_pipeline_answer_as_each_alone(
     assert by_group == alone
 
 
-def test_more_stages_than_layers_is_refused_on_every_rank(tiny_dir: Path) -> None:
-    group = EngineProcess(_group(tiny_dir, 3))
-    with pytest.raises(EngineProcessDied, match="3 is more stages than the model's 2 layers"):
+@pytest.mark.parametrize(
+    ("num_stages", "tensor_parallel", "message"),
+    [
+        (3, 1, "3 is more stages than the model's 2 layers"),
+        (1, 3, "--tensor-parallel 3 does not divide the model's 4 attention heads"),
+    ],
+)
+def test_a_group_the_model_cannot_take_is_refused_on_every_rank(
+    tiny_dir: Path, num_stages: int, tensor_parallel: int, message: str
+) -> None:
+    group = EngineProcess(_group(tiny_dir, num_stages, tensor_parallel=tensor_parallel))
+    with pytest.raises(EngineProcessDied, match=message):
         asyncio.run(group.start())
     for process in group._stage_processes:
         process.join(10)
@@ -241,23 +262,30 @@ def test_ranks_that_load_different_models_are_refused(tiny_dir: Path, tmp_path: 
     assert "rank 1 loaded another model than rank 0" in stderr.splitlines()[-1]
 
 
-@pytest.mark.parametrize("killed", ["last stage", "first stage"])
-def test_a_killed_rank_ends_the_whole_group(tiny_dir: Path, killed: str) -> None:
+@pytest.mark.parametrize(
+    ("num_stages", "tensor_parallel", "killed"),
+    [(2, 1, "last stage"), (2, 1, "first stage"), (1, 2, "tensor peer")],
+)
+def test_a_killed_rank_ends_the_whole_group(
+    tiny_dir: Path, num_stages: int, tensor_parallel: int, killed: str
+) -> None:
     async def scenario() -> None:
-        host = EngineProcess(_group(tiny_dir, 2))
+        host = EngineProcess(_group(tiny_dir, num_stages, tensor_parallel=tensor_parallel))
         await host.start()
         done: asyncio.Queue[StepDone | None] = asyncio.Queue()
         running = asyncio.create_task(host.run(asyncio.Event(), done))
-        [stage] = host._stage_processes
-        first_pid, last_pid = host._process.pid, stage.pid
-        assert first_pid is not None and last_pid is not None
-        os.kill(last_pid if killed == "last stage" else first_pid, signal.SIGKILL)
+        [other] = host._stage_processes
+        first_pid, other_pid = host._process.pid, other.pid
+        assert first_pid is not None and other_pid is not None
+        os.kill(first_pid if killed == "first stage" else other_pid, signal.SIGKILL)
+        # A tensor peer's loss shows at the next collective: the next plan's.
+        host.submit(PlanJob(b"0-0", _plans()[0], time.time()))
         with pytest.raises(EngineProcessDied):
             await asyncio.wait_for(running, timeout=20)
         assert done.get_nowait() is None
         deadline = time.monotonic() + 10
-        while (_alive(first_pid) or _alive(last_pid)) and time.monotonic() < deadline:
+        while (_alive(first_pid) or _alive(other_pid)) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert not _alive(first_pid) and not _alive(last_pid)
+        assert not _alive(first_pid) and not _alive(other_pid)
 
     asyncio.run(scenario())
