@@ -19,6 +19,7 @@ loop over the OpenAI API, one server at a time:
 3. the same group with ``--max-inflight 1``: one plan at a time, so a stage
    waits while the others compute (the bubble microbatch-free scheduling
    removes; about 1/P busy each);
+3b. the same group with ``--max-inflight P+1``: a batch more than stages;
 4. ``llama-server -np --slots`` on each GGUF of ``--formats``.
 
 The groups' busy fractions come from their first stage's ``pipeline_summary``
@@ -141,6 +142,11 @@ def main(argv: list[str] | None = None) -> None:
         f"orcapod, {stages} stages": ["--pipeline-parallel", stages],
         f"orcapod, {stages} stages, one plan at a time": [
             "--pipeline-parallel", stages, "--worker-arg=--max-inflight=1",
+        ],
+        # One batch more than stages: the next plan is there while the scheduler's
+        # round trip for the last result runs (the control plane is Redis here).
+        f"orcapod, {stages} stages, {args.stages + 1} plans in flight": [
+            "--pipeline-parallel", stages, f"--worker-arg=--max-inflight={args.stages + 1}",
         ],
     }  # fmt: skip
     results: dict[str, list[dict]] = {}

@@ -30,6 +30,7 @@ class StepView(msgspec.Struct, frozen=True):
     num_left: int
     step_ms: float | None
     path: str  # how the worker ran it ("eager", "graph[1]", ...; "" while running)
+    stage_ms: list[float]  # a worker group's: each stage's compute time (ms)
 
 
 class WorkerView(msgspec.Struct, frozen=True):
@@ -39,6 +40,7 @@ class WorkerView(msgspec.Struct, frozen=True):
     blocks_total: int
     num_running: int
     steps: list[StepView]
+    pipeline_depth: int  # stages of a worker group (1: one engine)
 
 
 class TenantView(msgspec.Struct, frozen=True):
@@ -97,9 +99,11 @@ def view_frame(
                     step.num_left,
                     step.step_ms,
                     step.path,
+                    step.stage_ms,
                 )
                 for step in worker.steps
             ],
+            pipeline_depth=worker.pipeline_depth,
         )
         for worker in snapshot.workers
     ]

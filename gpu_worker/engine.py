@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -115,6 +115,7 @@ class StepOutcome:
 
     samples: list[int | str]
     path: str
+    stage_ms: list[float] = field(default_factory=list)  # a worker group's, stage by stage
 
 
 class Engine:
@@ -365,6 +366,7 @@ class Engine:
             step_ms=step_ms,
             failed=prepared.failed + sampling_failed,
             path=outcome.path,
+            stage_ms=outcome.stage_ms,
         )
 
     def blocks_to_grant(self, plan: StepPlan) -> dict[str, int]:

@@ -179,7 +179,7 @@ class PipelineDriver:
         assert in_flight.step_id == result.step_id, (in_flight.step_id, result.step_id)
         outcome = None
         if result.samples is not None:
-            outcome = StepOutcome(result.samples, PIPELINE_PATH)
+            outcome = StepOutcome(result.samples, PIPELINE_PATH, result.stage_ms)
         else:
             _log.error("pipeline_step_failed", step_index=in_flight.started.plan.step_index)
         step_ms = (time.perf_counter() - in_flight.sent_s) * 1000
@@ -205,16 +205,19 @@ class PipelineDriver:
         link.share_message(payload)  # this stage's other tensor ranks
         if not self.member.last:
             link.send_message(payload, link.next)  # forward-on-issue
-        outcome = None
+        samples = None
         try:
             output = self.stage.forward(prepared.inputs, None)
             if self.member.last:  # one stage: its logits are here
-                outcome = StepOutcome(sample_rows(output, step.sampling_rows), PIPELINE_PATH)
+                samples = sample_rows(output, step.sampling_rows)
         except Exception:  # the step fails (the stages behind are told), the group goes on
             _log.exception("stage_step_failed", rank=0, step_index=plan.step_index)
             output = None
         compute_ms = (time.perf_counter() - sent_s) * 1000
         if self.member.last:
+            outcome = None
+            if samples is not None:
+                outcome = StepOutcome(samples, PIPELINE_PATH, [compute_ms])
             self.send(self.runner.finish(started, outcome, compute_ms))
             self.busy.add([compute_ms])
             return

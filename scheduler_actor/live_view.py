@@ -77,6 +77,7 @@ class LiveView:
                         step_ms=output.step_ms,
                         num_left=record.num_left + num_finished,
                         path=output.path,
+                        stage_ms=output.stage_ms,
                     )
                 return
 
@@ -95,6 +96,7 @@ class LiveView:
                 blocks_total=worker.ledger.num_blocks,
                 num_running=len(worker.placed),
                 steps=list(self._steps.get(worker_id, ())),
+                pipeline_depth=worker.pipeline_depth,
             )
             for worker_id, worker in workers.items()
         ]

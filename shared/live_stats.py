@@ -34,6 +34,8 @@ class StepRecord(msgspec.Struct, frozen=True, array_like=True):
     # How the worker ran it (gpu_worker/step_path.py: "eager", "graph[1]", ...);
     # "" until its result is in.
     path: str = ""
+    # A worker group's: each pipeline stage's compute time (ms), once its result is in.
+    stage_ms: list[float] = []
 
 
 class WorkerLive(msgspec.Struct, frozen=True):
@@ -43,6 +45,7 @@ class WorkerLive(msgspec.Struct, frozen=True):
     blocks_total: int
     num_running: int
     steps: list[StepRecord]  # oldest first, at most MAX_STEPS_PER_WORKER
+    pipeline_depth: int = 1  # a worker group's stages (the dashboard's rows of stages)
 
 
 class TenantLive(msgspec.Struct, frozen=True):

@@ -187,6 +187,9 @@ class StepOutput(msgspec.Struct, frozen=True, tag="step_output", forbid_unknown_
     # How the step ran (gpu_worker/step_path.py: "eager", "graph[1]", ...); "" for
     # an output without a forward pass, or from a worker that does not say.
     path: str = ""
+    # A worker group's step: how long each pipeline stage computed it (ms, stage by
+    # stage); empty for one engine.
+    stage_ms: list[float] = []
 
     @property
     def finished_request_ids(self) -> list[str]:

@@ -240,12 +240,18 @@
     const line = document.createElementNS(SVG_NS, "path");
     svg.append(line);
     plot.append(columns, svg);
-    timeline.append(plot, yAxis, xAxis);
+    // A worker group's rows of stages, under the columns, their labels on the right.
+    const stages = make("div", "stages");
+    const stageLabels = make("div", "stage-labels");
+    stages.hidden = true;
+    stageLabels.hidden = true;
+    timeline.append(plot, yAxis, xAxis, stages, stageLabels);
     const caption = make("p", "caption");
     card.append(title, stats, kvBar, kvLegend, timeline, caption);
     workersElement.append(card);
     const axes = { yAxis, ticks, oldestLabel, countLabel, newestLabel };
-    return { card, stats, kvUsed, kvCached, kvLegend, steps, line, axes, caption };
+    const pipeline = { stages, stageLabels, rows: [] };
+    return { card, stats, kvUsed, kvCached, kvLegend, steps, line, axes, pipeline, caption };
   }
 
   function drawWorkers(workers, nowMs) {
@@ -318,6 +324,7 @@
     }
     card.line.setAttribute("d", path);
     drawStepAxes(card.axes, worker.worker_id, steps, axisMs, nowMs);
+    drawStages(card.pipeline, worker, steps, offset);
     card.card.dataset.numSteps = String(steps.length);
     if (steps.length === 0) {
       card.caption.textContent = "no iteration yet";
@@ -330,6 +337,70 @@
     // The newest step whose result is in: its time and the path it took.
     const done = steps.findLast((step) => typeof step.step_ms === "number") || last;
     card.caption.textContent = `last ${describeStep(done)} · ${scale}`;
+  }
+
+  // A worker group's pipeline (Orca's Figure 8): one row per stage under the
+  // iterations, each iteration's cell as dark as that stage's compute time for it
+  // (the longest shown darkest), and each stage's mean time on its label.
+  function drawStages(pipeline, worker, steps, offset) {
+    const depth = Number.isInteger(worker.pipeline_depth) ? worker.pipeline_depth : 1;
+    pipeline.stages.hidden = depth < 2;
+    pipeline.stageLabels.hidden = depth < 2;
+    if (depth < 2) return;
+    if (pipeline.rows.length !== depth) {
+      pipeline.stages.replaceChildren();
+      pipeline.stageLabels.replaceChildren();
+      pipeline.rows = [];
+      for (let s = 0; s < depth; s++) {
+        const row = make("div", "stage-row");
+        row.dataset.stage = String(s + 1);
+        const cells = [];
+        for (let i = 0; i < MAX_STEPS; i++) {
+          const cell = make("span", "stage-cell");
+          row.append(cell);
+          cells.push(cell);
+        }
+        const label = make("span", "stage-label");
+        pipeline.stages.append(row);
+        pipeline.stageLabels.append(label);
+        pipeline.rows.push({ row, cells, label });
+      }
+    }
+    const timesOf = (step) =>
+      step !== null &&
+      Array.isArray(step.stage_ms) &&
+      step.stage_ms.length === depth &&
+      step.stage_ms.every((ms) => typeof ms === "number" && Number.isFinite(ms) && ms >= 0)
+        ? step.stage_ms
+        : null;
+    let maxMs = 0;
+    for (const step of steps) {
+      const times = timesOf(step);
+      if (times !== null) maxMs = Math.max(maxMs, ...times);
+    }
+    pipeline.rows.forEach(({ row, cells, label }, s) => {
+      let total = 0;
+      let count = 0;
+      cells.forEach((cell, i) => {
+        const step = i >= offset ? steps[i - offset] : null;
+        const times = timesOf(step);
+        if (times === null) {
+          cell.style.opacity = "0";
+          cell.title = "";
+          delete cell.dataset.ms;
+          return;
+        }
+        const ms = times[s];
+        cell.style.opacity = String(maxMs > 0 ? 0.15 + (0.85 * ms) / maxMs : 0.15);
+        cell.dataset.ms = ms.toFixed(1);
+        cell.title = `step #${step.step_index}, stage ${s + 1}: ${ms.toFixed(1)} ms`;
+        total += ms;
+        count += 1;
+      });
+      row.dataset.numSteps = String(count);
+      label.textContent =
+        count > 0 ? `stage ${s + 1} · ${(total / count).toFixed(1)} ms` : `stage ${s + 1}`;
+    });
   }
 
   // The step-time axis (ms, to `axisMs`; blank before any step time is in) and,

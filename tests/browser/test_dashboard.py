@@ -379,3 +379,34 @@ def test_a_crafted_feed_gets_a_step_axis_and_idle_tenants_kept_and_bounded(
     expect(chart).to_have_attribute("data-num-lines", "33")
     expect(idle).to_have_count(32)
     assert [item.get_attribute("data-tenant") for item in idle.all()] == names[8:]
+
+
+def test_a_worker_group_gets_one_row_of_iterations_per_stage(page: Page, port: int) -> None:
+    [socket] = _crafted_feeds(page, port)
+    frame = snapshot_frame()
+    step = frame["workers"][0]["steps"][0]
+    frame["workers"][0]["pipeline_depth"] = 2
+    frame["workers"][0]["steps"] = [
+        {**step, "step_index": 7, "stage_ms": [4.0, 8.0]},
+        {**step, "step_index": 8, "stage_ms": [6.0, 2.0]},
+        # Still running, and one from a crafted feed with nonsense times: no cells.
+        {**step, "step_index": 9, "step_ms": None, "stage_ms": []},
+        {**step, "step_index": 10, "stage_ms": ["<b>1</b>", -1]},
+    ]
+    socket.send(json.dumps(frame))
+    rows = page.locator("article.worker .stage-row")
+    expect(rows).to_have_count(2)
+    expect(page.locator("article.worker .stage-label")).to_have_text(
+        ["stage 1 · 5.0 ms", "stage 2 · 5.0 ms"]
+    )
+    for row, times in zip(rows.all(), [["4.0", "6.0"], ["8.0", "2.0"]], strict=True):
+        expect(row).to_have_attribute("data-num-steps", "2")
+        cells = row.locator(".stage-cell[data-ms]")
+        assert [cell.get_attribute("data-ms") for cell in cells.all()] == times
+    # The longest time is the darkest cell.
+    darkest = rows.nth(1).locator(".stage-cell[data-ms='8.0']")
+    assert darkest.evaluate("cell => getComputedStyle(cell).opacity") == "1"
+    # One engine again (a worker that rejoined): no rows shown.
+    socket.send(json.dumps(snapshot_frame()))
+    expect(page.locator("article.worker .stages")).to_be_hidden()
+    assert page.evaluate("window.injected") is None

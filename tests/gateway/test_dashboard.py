@@ -80,8 +80,10 @@ def test_a_viewer_sees_its_own_name_and_pseudonyms_for_the_others() -> None:
         "num_left": 0,
         "step_ms": 3.5,
         "path": "graph[1]",
+        "stage_ms": [],  # one engine: no stages
     }
     assert worker["steps"][1]["step_ms"] is None and worker["steps"][1]["path"] == ""
+    assert worker["pipeline_depth"] == 1
 
 
 async def next_frame(socket: ClientConnection) -> Any:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from gateway.tokenizer import ChatTokenizer
@@ -23,7 +24,7 @@ from gpu_worker.engine_host import EngineProcess, EngineProcessDied, EngineThrea
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.model_config import load_model_config
 from gpu_worker.model_loading import load_model
-from gpu_worker.pipeline_layout import free_local_port
+from gpu_worker.pipeline_layout import free_local_port, stage_layer_ranges
 from gpu_worker.step_done import StepDone
 from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.core import Scheduler
@@ -34,11 +35,15 @@ from tests.gpu_worker.test_engine_host import KV_CACHE_BYTES, _plans, _run
 from tests.gpu_worker.tiny_models import write_tiny_model
 
 REPO = Path(__file__).parents[2]
+TINY_LAYERS = 4
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+    """A random Llama whose 4 layers, 4 heads, 2 K/V heads and 160 MLP units split
+    over 2 or 3 stages and 2 tensor ranks."""
+    directory = tmp_path_factory.mktemp("tiny") / "llama"
+    return write_tiny_model(directory, "llama", num_hidden_layers=TINY_LAYERS)
 
 
 def _group(model_dir: Path, num_stages: int, **changes: object) -> WorkerSettings:
@@ -66,17 +71,20 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("num_stages", "tensor_parallel"), [(2, 1), (1, 2), (2, 2)], ids=["P2", "T2", "P2xT2"]
+    ("num_stages", "tensor_parallel"),
+    [(2, 1), (3, 1), (1, 2), (2, 2)],
+    ids=["P2", "P3", "T2", "P2xT2"],
 )
 def test_a_group_runs_plans_as_one_engine_does(
     tiny_dir: Path, num_stages: int, tensor_parallel: int
 ) -> None:
     # The plans overlap (each decode is sent before the step before it is done), so
     # the first stage must wait for the last one's sample before it begins the next.
-    # The tiny Llama's 4 heads, 2 K/V heads and 160 MLP units split over 2 ranks.
+    # Three stages: the middle one passes plans and hidden states on.
     group = EngineProcess(_group(tiny_dir, num_stages, tensor_parallel=tensor_parallel))
     by_group = asyncio.run(_run(group))
-    model = load_model(tiny_dir, device="cpu", dtype="float32")
+    # One engine of the same (default) weights as the group's ranks.
+    model = load_model(tiny_dir, device="cpu", dtype="float32", weight_format="auto")
     engine = Engine(model, KVCacheBudget(num_bytes=KV_CACHE_BYTES), "cpu", worker_id="w-host")
     by_engine = asyncio.run(_run(EngineThread(engine, "w-host")))
     tokens = [[(t.index, t.token_id) for t in item.batches["gw"]] for item in by_group]
@@ -85,8 +93,10 @@ def test_a_group_runs_plans_as_one_engine_does(
     assert by_group[-1].batches["gw"][0].finish_reason == "length"
     assert [item.output.path for item in by_group if item.output] == ["pipeline"] * 4
     assert group.stats.live_paths == ["pipeline"] and group.stats.num_steps == 4
-    # Each rank holds a share of the layers or heads: more blocks in the same bytes.
-    assert group.num_blocks == num_stages * tensor_parallel * engine.num_blocks
+    # Each rank holds a share of the layers or heads: more blocks in the same bytes,
+    # as many as the rank with the most layers holds.
+    most_layers = max(len(r) for r in stage_layer_ranges(TINY_LAYERS, num_stages))
+    assert group.num_blocks == TINY_LAYERS // most_layers * tensor_parallel * engine.num_blocks
     assert all(not process.is_alive() for process in group._stage_processes)
 
 
@@ -151,22 +161,20 @@ def alone(prepared_model_dir: Path, chats: dict[str, list[int]]) -> dict[str, li
     return tokens
 
 
-@pytest.mark.parametrize(("num_stages", "tensor_parallel"), [(3, 1), (2, 3)], ids=["P3", "P2xT3"])
 def test_staggered_chats_on_a_group_answer_as_each_alone(
     prepared_model_dir: Path,
     chats: dict[str, list[int]],
     alone: dict[str, list[int]],
-    num_stages: int,
-    tensor_parallel: int,
 ) -> None:
-    # SmolLM2 with the worker's default weights on this CPU, its 30 layers in 3 stages
-    # (a middle one passes plans and hidden states on), or in 2 stages of 3 tensor
-    # ranks (its 9 heads, 3 K/V heads and 1,536 MLP units split in 3); chats join
+    # SmolLM2 with the worker's default weights on this CPU, its 30 layers in 2 stages
+    # of 3 tensor ranks (its 9 heads, 3 K/V heads and 1,536 MLP units split in 3),
+    # six processes in all; chats join
     # while others decode (mixed steps, prompts in chunks), the pool too small for
     # all of them (preemptions), and the scheduler keeps one plan per stage in
     # flight, so each stage works on its own batch. Tensor ranks add partial sums in
     # another order than one matrix product: the logits differ by rounding, and the
     # greedy answers must still be the same.
+    num_stages, tensor_parallel = 2, 3
     config = load_model_config(prepared_model_dir)
     pool_bytes = overlap_scenario.NUM_BLOCKS * bytes_per_block(
         config, overlap_scenario.BLOCK_SIZE, torch.float32
@@ -189,7 +197,7 @@ def test_staggered_chats_on_a_group_answer_as_each_alone(
 @pytest.mark.parametrize(
     ("num_stages", "tensor_parallel", "message"),
     [
-        (3, 1, "3 is more stages than the model's 2 layers"),
+        (5, 1, "5 is more stages than the model's 4 layers"),
         (1, 3, "--tensor-parallel 3 does not divide the model's 4 attention heads"),
     ],
 )
@@ -247,8 +255,13 @@ def test_a_rank_started_on_its_own_joins_the_group_and_ends_with_it(tiny_dir: Pa
 
 
 def test_ranks_that_load_different_models_are_refused(tiny_dir: Path, tmp_path: Path) -> None:
-    # Rank 1 "on another host" loads another checkpoint of the same shape.
-    other = write_tiny_model(tmp_path / "untied", "untied")
+    # Rank 1 "on another host" loads another checkpoint of the same shape: the same
+    # but for its final norm.
+    other = write_tiny_model(tmp_path / "other", "llama", num_hidden_layers=TINY_LAYERS)
+    [weights_file] = other.glob("*.safetensors")
+    tensors = safetensors.torch.load_file(weights_file)
+    tensors["model.norm.weight"] += 0.5
+    safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
     rendezvous = f"127.0.0.1:{free_local_port()}"
     rank1 = _rank_elsewhere(1, rendezvous, other)
     settings = _group(tiny_dir, 2, group_rank=0, rendezvous=rendezvous, local_ranks=2)

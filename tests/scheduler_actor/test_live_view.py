@@ -82,6 +82,18 @@ def test_each_plan_and_its_result_is_one_step_record() -> None:
     assert first_output.step_ms > 0 and second_output.step_ms > 0
 
 
+def test_a_worker_groups_steps_carry_each_stages_time() -> None:
+    core, view = _core(), LiveView()
+    core.worker_joined("g", num_blocks=64, block_size=4, max_inflight=2, pipeline_depth=2)
+    _submit(core, "a", "alice", 6, 3)
+    plan = _plan(core, view, "g")
+    output = StepOutput("g", 0, plan.step_index, step_ms=9.0, path="pipeline", stage_ms=[4.0, 5.0])
+    view.record_output(output, len(core.on_result(output)))
+    [worker] = view.snapshot(core, 0).workers
+    assert worker.pipeline_depth == 2
+    assert worker.steps == [StepRecord(plan.step_index, 1, 6, 0, 1, 0, 9.0, "pipeline", [4.0, 5.0])]
+
+
 def test_the_snapshot_is_what_the_core_knows() -> None:
     core, view = _core(), LiveView()
     core.worker_joined("w1", num_blocks=8, block_size=4, max_inflight=2)
