@@ -182,22 +182,6 @@ class SchedulerSettings:
     # Prometheus metrics at http://metrics_host:metrics_port/metrics; None: not served.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
-    # A worker group (gpu_worker/worker_group.py): the model's layers split into
-    # pipeline_parallel stages of tensor_parallel engine ranks each, over
-    # torch.distributed; rank r is tensor rank r % T of stage r // T.
-    # layer_split: each stage's layers (None: balanced by count). group_rank: the
-    # one rank this process runs (None: every rank, on this host); rank 0 is the
-    # group's only Redis client. rendezvous: HOST:PORT of rank 0's store (None:
-    # a free port on 127.0.0.1, every rank here). local_ranks: the ranks on this
-    # host, which share its memory (None: all of them, or 1 with group_rank).
-    pipeline_parallel: int = 1
-    # Ranks of each stage, its layers' heads and MLP split between them.
-    tensor_parallel: int = 1
-    layer_split: tuple[int, ...] | None = None
-    group_rank: int | None = None
-    rendezvous: str | None = None
-    rendezvous_timeout_s: float = 120.0
-    local_ranks: int | None = None
     # Automatic prefix caching, and routing a request to the worker caching
     # its longest prefix (within routing_slack requests of the least loaded).
     prefix_caching: bool = True
