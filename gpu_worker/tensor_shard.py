@@ -36,9 +36,9 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
     if indivisible:
         named = ", ".join(f"{size} {name}" for name, size in indivisible.items())
         raise GroupConfigError(
-            f"--tensor-parallel {tensor_parallel} does not divide the model's {named} "
-            f"(it has {config.num_heads} attention heads, {config.num_kv_heads} K/V heads, "
-            f"intermediate size {config.intermediate_size})"
+            f"--tensor-parallel {tensor_parallel} does not divide the model's {named}: "
+            "it must divide its attention heads, K/V heads and intermediate size "
+            f"({config.num_heads}, {config.num_kv_heads}, {config.intermediate_size})"
         )
 
 
