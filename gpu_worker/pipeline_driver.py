@@ -10,12 +10,20 @@ flight (Orca's Figure 8), each a batch of its own. A plan that names a
 request still in flight waits for that step's answer first (its next input
 is that step's sample), so plans that overlap stay exact, only slower.
 
-A thread waits for the last stage's answers and hands them to the loop over a
-local pipe, so the loop waits on the shell's plans and the answers at once.
+The loop keeps the bookkeeping; the stage's own work runs on a thread of its
+own (the stage's "device"): each begun step is queued to it, and it passes
+the step on, runs this stage's layers and sends the hidden states, while the
+loop already begins the next plan and records the answers, as a GPU's host
+thread does beside its kernels. Every send to the next stage (and every
+collective of this stage's tensor ranks) comes from that one thread, in step
+order. Another thread waits for the last stage's answers and hands them to the
+loop over a local pipe, so the loop waits on the shell's plans and the answers
+at once; either thread's word that a peer is gone comes the same way.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -39,6 +47,7 @@ from gpu_worker.pipeline_stage import PipelineStage
 from gpu_worker.plan_runner import SUMMARY_EVERY_STEPS, PlanRunner, StartedPlan
 from gpu_worker.sampler import sample_rows
 from gpu_worker.step_done import StepDone
+from gpu_worker.step_path import StepInputs
 from gpu_worker.worker_group import GroupMember
 from shared.messages import StepPlan
 
@@ -62,6 +71,15 @@ def plan_request_ids(plan: StepPlan) -> set[str]:
         *plan.decode_request_ids,
         *plan.released_request_ids,
     }
+
+
+@dataclass(frozen=True)
+class _Issued:
+    """A begun step for the stage's compute thread: its ``StageStep`` encoded (sent
+    on before the layers run) and its inputs."""
+
+    payload: bytes
+    inputs: StepInputs
 
 
 @dataclass(frozen=True)
@@ -118,16 +136,22 @@ class PipelineDriver:
         self._in_flight: deque[_InFlight] = deque()
         self._next_step_id = 0
         self._answers, self._answers_in = Pipe(duplex=False)
+        self._answers_lock = threading.Lock()  # two threads write to the loop's pipe
+        # The stage thread's work: steps, then the stop (None: end at once, a rank is gone).
+        self._to_compute: queue.SimpleQueue[_Issued | StageStop | None] = queue.SimpleQueue()
         self.busy = StageBusy(member.link.num_stages)
 
     def serve(self, connection: Connection, decode_job: Callable[[bytes], PlanJob | None]) -> None:
         """Until the shell's None (or its end): every plan run, every answer sent on;
         then the stages are stopped in order. Raises PipelineBroken where a rank is gone."""
-        link = self.member.link
-        listener = None
+        threads = []
         if not self.member.last:  # the answers come from another stage
-            listener = threading.Thread(target=self._listen, name="pipeline-answers", daemon=True)
-            listener.start()
+            threads = [
+                threading.Thread(target=self._listen, name="pipeline-answers", daemon=True),
+                threading.Thread(target=self._compute, name="pipeline-stage", daemon=True),
+            ]
+        for thread in threads:
+            thread.start()
         try:
             while True:
                 ready = wait([connection, self._answers])
@@ -143,14 +167,43 @@ class PipelineDriver:
                 self._run(job)
             while self._in_flight:
                 self._take_answer()
-            stop = encoder.encode(StageStop())
-            link.share_message(stop)
-            if not self.member.last:
-                link.send_message(stop, link.next)
-            link.wait_sent()
+            if self.member.last:
+                self._stop_stages()
+            else:
+                self._to_compute.put(StageStop())  # down the pipeline after every step
         finally:
-            if listener is not None:
-                listener.join(timeout=5)
+            self._to_compute.put(None)
+            for thread in threads:
+                thread.join(timeout=5)
+
+    def _stop_stages(self) -> None:
+        """The ``StageStop`` to this stage's other ranks and the stages behind."""
+        link = self.member.link
+        stop = encoder.encode(StageStop())
+        link.share_message(stop)
+        if not self.member.last:
+            link.send_message(stop, link.next)
+        link.wait_sent()
+
+    def _compute(self) -> None:
+        """The stage's thread: each queued step passed on (forward-on-issue), through
+        this stage's layers and its hidden states sent, in order; the stop last."""
+        link = self.member.link
+        try:
+            while isinstance(issued := self._to_compute.get(), _Issued):
+                began_s = time.perf_counter()
+                link.share_message(issued.payload)  # this stage's other tensor ranks
+                link.send_message(issued.payload, link.next)
+                try:
+                    output = self.stage.forward(issued.inputs, None)
+                except Exception:  # the step fails (the stages behind are told), the group goes on
+                    _log.exception("stage_step_failed", rank=0)
+                    output = None
+                link.send_hidden(output, [(time.perf_counter() - began_s) * 1000], link.next)
+            if issued is not None:
+                self._stop_stages()
+        except Exception as error:  # a rank is gone
+            self._report_broken(error)
 
     def _listen(self) -> None:
         """The last stage's answers to the loop, until the answer to the stop."""
@@ -158,11 +211,16 @@ class PipelineDriver:
         try:
             while True:
                 payload = link.recv_message(link.last, results=True)
-                self._answers_in.send_bytes(payload)
+                with self._answers_lock:
+                    self._answers_in.send_bytes(payload)
                 if STAGE_RESULT.decode(payload).step_id < 0:
                     return
         except Exception as error:  # a rank is gone
-            _log.error("group_rank_lost_a_peer", rank=0, error=str(error).splitlines()[0])
+            self._report_broken(error)
+
+    def _report_broken(self, error: Exception) -> None:
+        _log.error("group_rank_lost_a_peer", rank=0, error=str(error).splitlines()[0])
+        with self._answers_lock:
             self._answers_in.send_bytes(_BROKEN)
 
     def _take_answer(self) -> None:
@@ -199,28 +257,28 @@ class PipelineDriver:
         prepared = started.prepared
         step = StageStep(self._next_step_id, prepared.inputs, prepared.sampling_rows())
         self._next_step_id += 1
-        link = self.member.link
-        sent_s = time.perf_counter()
         payload = encoder.encode(step)
-        link.share_message(payload)  # this stage's other tensor ranks
-        if not self.member.last:
-            link.send_message(payload, link.next)  # forward-on-issue
+        if self.member.last:  # one stage: its logits are here
+            self._run_here(started, step, payload)
+            return
+        worked = {work.request.spec.request_id for work in prepared.works}
+        in_flight = _InFlight(step.step_id, started, named | worked, time.perf_counter())
+        self._in_flight.append(in_flight)
+        self._to_compute.put(_Issued(payload, prepared.inputs))
+
+    def _run_here(self, started: StartedPlan, step: StageStep, payload: bytes) -> None:
+        """A one-stage group's step: its tensor ranks told, the layers run, sampled."""
+        began_s = time.perf_counter()
+        self.member.link.share_message(payload)
         samples = None
         try:
-            output = self.stage.forward(prepared.inputs, None)
-            if self.member.last:  # one stage: its logits are here
-                samples = sample_rows(output, step.sampling_rows)
-        except Exception:  # the step fails (the stages behind are told), the group goes on
-            _log.exception("stage_step_failed", rank=0, step_index=plan.step_index)
-            output = None
-        compute_ms = (time.perf_counter() - sent_s) * 1000
-        if self.member.last:
-            outcome = None
-            if samples is not None:
-                outcome = StepOutcome(samples, PIPELINE_PATH, [compute_ms])
-            self.send(self.runner.finish(started, outcome, compute_ms))
-            self.busy.add([compute_ms])
-            return
-        link.send_hidden(output, [compute_ms], link.next)
-        worked = {work.request.spec.request_id for work in prepared.works}
-        self._in_flight.append(_InFlight(step.step_id, started, named | worked, sent_s))
+            logits = self.stage.forward(step.inputs, None)
+            samples = sample_rows(logits, step.sampling_rows)
+        except Exception:  # the step fails, the group goes on
+            _log.exception("stage_step_failed", rank=0, step_index=started.plan.step_index)
+        compute_ms = (time.perf_counter() - began_s) * 1000
+        outcome = None
+        if samples is not None:
+            outcome = StepOutcome(samples, PIPELINE_PATH, [compute_ms])
+        self.send(self.runner.finish(started, outcome, compute_ms))
+        self.busy.add([compute_ms])

@@ -14,15 +14,19 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # torch first, pinned, and the CPU build: on PyPI even 'torch==2.13.0' is the CUDA
 # build (several GB with its nvidia-* packages); '+cpu' is PyTorch's own CPU wheel,
-# from its index (or a local copy pip finds, where that index cannot be reached).
+# from a copy pip already finds (a wheel folder or index of this machine's pip
+# configuration: asked first, without retries against an index it cannot reach)
+# or else from PyTorch's index.
 TORCH_CPU='torch==2.13.0+cpu'
 TORCH_CPU_INDEX='https://download.pytorch.org/whl/cpu'
 # Where neither has it, the default index's torch (on PyPI, the CUDA build); the
 # script says which it took.
 if python -c 'import torch' 2>/dev/null; then
     :
+elif pip install --quiet "$TORCH_CPU" 2>/dev/null; then
+    echo "torch: the CPU build ($TORCH_CPU, a copy pip's configuration finds)"
 elif pip install --quiet "$TORCH_CPU" --extra-index-url "$TORCH_CPU_INDEX"; then
-    echo "torch: the CPU build ($TORCH_CPU, from $TORCH_CPU_INDEX or a local copy)"
+    echo "torch: the CPU build ($TORCH_CPU, from $TORCH_CPU_INDEX)"
 else
     echo "note: $TORCH_CPU not found ($TORCH_CPU_INDEX unreachable?); installing" \
         "torch==2.13.0 from the default index instead (on PyPI: the CUDA build, several GB)" >&2

@@ -45,7 +45,9 @@ def configure_logging(role: str, level: str = "info") -> structlog.stdlib.BoundL
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write a line, newline included: a worker group's ranks share one
+        # stderr, and a line in two writes can land inside another rank's.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     logger: structlog.stdlib.BoundLogger = structlog.get_logger().bind(role=role)
