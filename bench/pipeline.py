@@ -1,6 +1,6 @@
 """A worker group's pipeline on the Orca trace, side by side in one run: each
-stage's busy fraction with one plan per stage in flight (Orca's Figure 8)
-against the same group fed one plan at a time, and the throughput of the
+stage's busy fraction with plans in every stage (Orca's Figure 8) against
+the same group fed one plan at a time, and the throughput of the
 group against one engine and against llama.cpp's ``llama-server``.
 
     python -m bench.pipeline [--stages 2] [--rates 2,3] [--duration 40]
@@ -13,14 +13,17 @@ prompts of U(32, 512) tokens, U(1, 128) greedy answers) is replayed open
 loop over the OpenAI API, one server at a time:
 
 1. ``orcapod up`` as it comes (one engine, torch's threads on every core);
-2. ``orcapod up --pipeline-parallel P``: P stages of the model's layers, one
-   process each, torch's threads divided between them (one each on 2 cores),
-   one plan per stage in flight;
-3. the same group with ``--max-inflight 1``: one plan at a time, so a stage
+2. ``orcapod up --pipeline-parallel P`` as it comes: P stages of the model's
+   layers, one process each, torch's threads divided between them (one each
+   on 2 cores), P + 1 plans in flight, each of at most the scheduler's
+   ``--pipeline-token-budget`` new tokens;
+3. the same group with ``--max-inflight P``: one plan per stage;
+4. the same group with ``--max-inflight 1``: one plan at a time, so a stage
    waits while the others compute (the bubble microbatch-free scheduling
    removes; about 1/P busy each);
-3b. the same group with ``--max-inflight P+1``: a batch more than stages;
-4. ``llama-server -np --slots`` on each GGUF of ``--formats``.
+5. the same group with plans of one engine's size (``--pipeline-token-budget
+   512``: whole prompt chunks beside decodes);
+6. ``llama-server -np --slots`` on each GGUF of ``--formats``.
 
 The groups' busy fractions come from their first stage's ``pipeline_summary``
 lines (each stage's compute time over the wall time of 200 steps), the
@@ -139,14 +142,20 @@ def main(argv: list[str] | None = None) -> None:
     stages = str(args.stages)
     services = {
         "orcapod, one engine": [],
+        # The group as it comes: one plan more than stages in flight (the next one is
+        # there while the scheduler's round trip for the last result runs), each at
+        # most --pipeline-token-budget new tokens.
         f"orcapod, {stages} stages": ["--pipeline-parallel", stages],
+        f"orcapod, {stages} stages, one plan per stage": [
+            "--pipeline-parallel", stages, f"--worker-arg=--max-inflight={stages}",
+        ],
         f"orcapod, {stages} stages, one plan at a time": [
             "--pipeline-parallel", stages, "--worker-arg=--max-inflight=1",
         ],
-        # One batch more than stages: the next plan is there while the scheduler's
-        # round trip for the last result runs (the control plane is Redis here).
-        f"orcapod, {stages} stages, {args.stages + 1} plans in flight": [
-            "--pipeline-parallel", stages, f"--worker-arg=--max-inflight={args.stages + 1}",
+        # Plans as one engine's (up to --token-budget, whole prompt chunks): a long
+        # chunk among decodes keeps the other stage waiting.
+        f"orcapod, {stages} stages, plans of one engine's size": [
+            "--pipeline-parallel", stages, "--scheduler-arg=--pipeline-token-budget=512",
         ],
     }  # fmt: skip
     results: dict[str, list[dict]] = {}

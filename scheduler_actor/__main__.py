@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the largest piece of one prompt prefilled in one step under fair",
     )
     parser.add_argument(
+        "--pipeline-token-budget",
+        type=int,
+        default=defaults.pipeline_token_budget,
+        help="new tokens of one step, and the largest prompt chunk, on a worker group of "
+        "several pipeline stages under fair (its stages stay busy when its plans are alike)",
+    )
+    parser.add_argument(
         "--worker-timeout-s",
         type=float,
         default=defaults.worker_timeout_s,
@@ -120,6 +127,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> SchedulerSettings:
         max_batch_size=args.max_batch_size,
         token_budget=args.token_budget,
         max_chunk_tokens=args.max_chunk_tokens,
+        pipeline_token_budget=args.pipeline_token_budget,
         worker_timeout_s=args.worker_timeout_s,
         orphan_timeout_s=args.orphan_timeout_s,
         max_waiting=args.max_waiting,

@@ -67,6 +67,7 @@ def scheduler_config(settings: SchedulerSettings, epoch: int) -> SchedulerConfig
         max_batch_size=settings.max_batch_size,
         token_budget=settings.token_budget,
         max_chunk_tokens=settings.max_chunk_tokens,
+        pipeline_token_budget=settings.pipeline_token_budget,
         max_waiting=settings.max_waiting,
         epoch=epoch,
         prefix_caching=settings.prefix_caching,

@@ -22,10 +22,12 @@ class SchedulerConfig:
     """Policy and limits of one scheduler.
 
     ``token_budget`` and ``max_chunk_tokens`` bound the new tokens of one step
-    under ``fair``; ``request`` and ``orca`` run whole prompts, as the paper
-    does. ``w_in`` / ``w_out`` are VTC's prices of a prompt and a generated
-    token; ``tenant_weights`` divides them (missing tenants weigh 1) until a
-    submit carries the tenant's own weight, which then wins.
+    under ``fair``, and ``pipeline_token_budget`` both on a worker group of
+    several pipeline stages (``plan_builder.step_token_limits``); ``request``
+    and ``orca`` run whole prompts, as the paper does. ``w_in`` / ``w_out``
+    are VTC's prices of a prompt and a generated token; ``tenant_weights``
+    divides them (missing tenants weigh 1) until a submit carries the
+    tenant's own weight, which then wins.
     ``overlap`` lets a plan include requests of the outstanding plans before
     it that are certainly still running (up to the worker's
     ``max_inflight``). ``max_waiting`` caps the requests waiting for a
@@ -43,6 +45,7 @@ class SchedulerConfig:
     max_batch_size: int = 64
     token_budget: int = 512
     max_chunk_tokens: int = 512
+    pipeline_token_budget: int = 64
     w_in: float = 1.0
     w_out: float = 2.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
@@ -60,6 +63,10 @@ class SchedulerConfig:
             raise ConfigError(f"token_budget must be >= 1, got {self.token_budget}")
         if self.max_chunk_tokens < 1:
             raise ConfigError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        if self.pipeline_token_budget < 1:
+            raise ConfigError(
+                f"pipeline_token_budget must be >= 1, got {self.pipeline_token_budget}"
+            )
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.routing_slack < 0:

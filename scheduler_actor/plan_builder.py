@@ -12,11 +12,26 @@ from __future__ import annotations
 
 import math
 
+from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.placement import Placements
 from scheduler_actor.prefix_cache import prefix_hit
 from scheduler_actor.request import Request, RequestStatus
 from scheduler_actor.worker_state import WorkerState
 from shared.messages import PrefillChunk, RequestSpec, StepPlan
+
+
+def step_token_limits(config: SchedulerConfig, worker: WorkerState) -> tuple[int, int]:
+    """A plan's new tokens at most, and its largest prompt chunk, on ``worker``
+    (under ``fair``): the config's, and on a worker group of several stages at
+    most ``pipeline_token_budget`` each. A group's plans go through its stages
+    one behind the other, so each stage waits whenever the plan it gets next
+    took longer in the stage before: one long prompt chunk among decodes is a
+    bubble as long as the difference in every other stage. Small plans keep
+    them alike (docs/performance.md, *Worker groups*)."""
+    if worker.pipeline_depth == 1:
+        return config.token_budget, config.max_chunk_tokens
+    budget = min(config.token_budget, config.pipeline_token_budget)
+    return budget, min(config.max_chunk_tokens, budget)
 
 
 class PlanBuilder:

@@ -2,7 +2,8 @@
 preemption by recompute, and VTC fairness between tenants.
 
 Each step: decodes first (one token each), then prompt chunks of requests
-already placed, then new admissions, until ``token_budget`` new tokens or
+already placed, then new admissions, until ``token_budget`` new tokens
+(``pipeline_token_budget`` on a worker group of several stages) or
 ``max_batch_size`` requests. A decode that cannot get a block preempts a
 victim from the tenant with the most service (latest arrival first). A new
 request is admitted only if the free blocks, less what the placed requests
@@ -15,7 +16,7 @@ wait on each other forever, and only decodes ever preempt. A tenant at its
 from __future__ import annotations
 
 from scheduler_actor.config import SchedulerConfig
-from scheduler_actor.plan_builder import PlanBuilder
+from scheduler_actor.plan_builder import PlanBuilder, step_token_limits
 from scheduler_actor.policy import IsPreferred
 from scheduler_actor.request import Request, RequestStatus
 from scheduler_actor.tenant_ledger import TenantLedger
@@ -60,16 +61,17 @@ class FairPolicy:
 
     def fill(self, builder: PlanBuilder) -> None:
         """Decodes, then prompt chunks, then admissions."""
-        self._decodes(builder)
-        num_pending_blocks = self._prefills(builder)
-        self._admit(builder, num_pending_blocks)
+        budget, max_chunk = step_token_limits(self._config, builder.worker)
+        self._decodes(builder, budget)
+        num_pending_blocks = self._prefills(builder, budget, max_chunk)
+        self._admit(builder, num_pending_blocks, budget, max_chunk)
 
-    def _decodes(self, builder: PlanBuilder) -> None:
+    def _decodes(self, builder: PlanBuilder, budget: int) -> None:
         config = self._config
         for request in list(builder.worker.placed.values()):
             if builder.num_scheduled >= config.max_batch_size:
                 return
-            if builder.num_new_tokens >= config.token_budget:
+            if builder.num_new_tokens >= budget:
                 return
             if request.status is not RequestStatus.PLACED:
                 continue  # preempted earlier in this loop
@@ -100,7 +102,7 @@ class FairPolicy:
                 best, best_key = request, key
         return best
 
-    def _prefills(self, builder: PlanBuilder) -> int:
+    def _prefills(self, builder: PlanBuilder, budget: int, max_chunk: int) -> int:
         """Continue placed prompts; return the blocks they still need after
         this step."""
         config = self._config
@@ -109,7 +111,7 @@ class FairPolicy:
         for request in builder.worker.placed.values():
             if not request.wants_prefill():
                 continue
-            room = min(config.token_budget - builder.num_new_tokens, config.max_chunk_tokens)
+            room = min(budget - builder.num_new_tokens, max_chunk)
             if (
                 room > 0
                 and builder.num_scheduled < config.max_batch_size
@@ -125,7 +127,9 @@ class FairPolicy:
             )
         return num_pending_blocks
 
-    def _admit(self, builder: PlanBuilder, num_pending_blocks: int) -> None:
+    def _admit(
+        self, builder: PlanBuilder, num_pending_blocks: int, budget: int, max_chunk: int
+    ) -> None:
         config = self._config
         worker = builder.worker
         ledger = worker.ledger
@@ -134,7 +138,7 @@ class FairPolicy:
         while (
             builder.num_scheduled < config.max_batch_size
             and len(worker.placed) < config.max_batch_size
-            and builder.num_new_tokens < config.token_budget
+            and builder.num_new_tokens < budget
         ):
             request = queues.peek(can_run)
             if request is None or not self._is_preferred(worker, request):
@@ -145,7 +149,7 @@ class FairPolicy:
             ):
                 return
             builder.place(request)
-            room = min(config.token_budget - builder.num_new_tokens, config.max_chunk_tokens)
+            room = min(budget - builder.num_new_tokens, max_chunk)
             num_tokens = min(room, num_context_tokens - request.num_prefill_planned)
             builder.prefill(request, num_tokens)
             num_pending_blocks += ledger.blocks_for(num_context_tokens) - request.num_blocks

@@ -175,6 +175,8 @@ class SchedulerSettings:
     max_batch_size: int = 64
     token_budget: int = 512
     max_chunk_tokens: int = 512
+    # Both, on a worker group of several pipeline stages (scheduler_actor.plan_builder).
+    pipeline_token_budget: int = 64
     worker_timeout_s: float = 10.0
     # A gateway silent this long: its requests nobody resumed elsewhere are cancelled.
     orphan_timeout_s: float = 60.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler_actor.block_ledger import BlockLedger, num_blocks_for
@@ -228,6 +230,42 @@ def test_a_pipeline_rotates_its_requests_through_one_plan_per_stage(policy) -> N
     # The group's requests are in one plan at a time; one engine's may be in each of
     # its plans (its lookahead: test_overlap_plans_ahead_and_stop_costs_one_slot_at_most).
     assert scheduler.workers["g"].max_plans_per_request == 1
+
+
+def test_a_pipelines_plans_stay_small_so_its_stages_take_alike_time() -> None:
+    # One long prompt among decodes would keep the stage behind waiting for as long
+    # as its chunk takes beyond the others' plans: a group's plans hold at most
+    # pipeline_token_budget new tokens, its prompts go in chunks of at most that;
+    # one engine (a depth of 1) takes the prompt whole within token_budget.
+    config = SchedulerConfig(token_budget=512, max_chunk_tokens=512, pipeline_token_budget=24)
+    scheduler = Scheduler(config, lambda: 0.0)
+    scheduler.worker_joined("g", 64, 16, max_inflight=3, pipeline_depth=2)
+    scheduler.worker_joined("w", 64, 16, max_inflight=1)
+    _submit(scheduler, "long", 100, 4)
+    plan = scheduler.next_plan("g") or scheduler.next_plan("w")
+    assert plan is not None
+    chunks = [len(chunk.token_ids) for chunk in plan.prefill_chunks]
+    assert chunks == ([24] if plan.worker_id == "g" else [100])
+    # Prompts of their own (no cached prefix): decodes and chunks share each plan.
+    group_only = Scheduler(dataclasses.replace(config, prefix_caching=False), lambda: 0.0)
+    group_only.worker_joined("g", 64, 16, max_inflight=3, pipeline_depth=2)
+    worker = SimulatedWorker("g", 64, 16, CostModel())
+    for name in "abcdef":
+        _submit(group_only, name, 40, 6)
+    seen_chunks: list[int] = []
+    finished = []
+    while (plan := group_only.next_plan("g")) is not None:
+        new_tokens = len(plan.decode_request_ids) + sum(
+            len(chunk.token_ids) for chunk in plan.prefill_chunks
+        )
+        assert new_tokens <= 24
+        seen_chunks += [len(chunk.token_ids) for chunk in plan.prefill_chunks]
+        output, _ = worker.execute(plan)
+        finished += group_only.on_result(output)
+    assert max(seen_chunks) == 24 and sum(seen_chunks) == 6 * 40
+    assert len(finished) == 6
+    with pytest.raises(ConfigError, match="pipeline_token_budget must be >= 1, got 0"):
+        SchedulerConfig(pipeline_token_budget=0)
 
 
 def test_a_join_with_a_pipeline_depth_below_one_is_refused() -> None:
