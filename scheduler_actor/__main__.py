@@ -37,26 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-batch-size",
-        type=int,
+        type=int_flag(1),
         default=defaults.max_batch_size,
         help="requests in one plan; under fair and request also the requests placed on one "
         "worker (a worker's --kv-cache-max-sequences should match it)",
     )
     parser.add_argument(
         "--token-budget",
-        type=int,
+        type=int_flag(1),
         default=defaults.token_budget,
         help="new tokens (decodes and prompt chunks) of one step under fair",
     )
     parser.add_argument(
         "--max-chunk-tokens",
-        type=int,
+        type=int_flag(1),
         default=defaults.max_chunk_tokens,
         help="the largest piece of one prompt prefilled in one step under fair",
     )
     parser.add_argument(
         "--pipeline-token-budget",
-        type=int,
+        type=int_flag(1),
         default=defaults.pipeline_token_budget,
         help="new tokens of one step, and the largest prompt chunk, on a worker group of "
         "several pipeline stages under fair (its stages stay busy when its plans are alike)",
