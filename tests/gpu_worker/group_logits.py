@@ -27,7 +27,8 @@ from gpu_worker.pipeline_layout import free_local_port
 from gpu_worker.pipeline_stage import PipelineStage
 from gpu_worker.step_path import StepInputs, StepPiece
 from gpu_worker.worker_group import join_group
-from shared.settings import RedisSettings, WorkerSettings, model_location
+from shared.settings import WorkerSettings
+from tests.gpu_worker.test_engine_host import _settings as engine_settings
 
 BLOCK_SIZE = 16
 # Each piece's request, tokens and first position: two prompts in one step and a
@@ -52,12 +53,10 @@ def _step(kv_cache: PagedKVCache, vocab_size: int) -> StepInputs:
 
 
 def _settings(model_dir: Path, num_stages: int, tensor_parallel: int, port: int) -> WorkerSettings:
-    return WorkerSettings(
-        redis=RedisSettings(url="redis://127.0.0.1:1"),
-        model=model_location(model_dir=str(model_dir)),
+    """The engine process's settings (``test_engine_host.py``'s), as a group meeting at ``port``."""
+    return dataclasses.replace(
+        engine_settings(model_dir),
         worker_id="w-logits",
-        device="cpu",
-        dtype="float32",
         kv_cache_bytes=64 * 2**20,
         block_size=BLOCK_SIZE,
         weight_format="auto",
