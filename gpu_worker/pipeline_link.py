@@ -5,7 +5,7 @@ rank 0 is its leader. Leaders pass each step's ``StageStep`` and then its
 hidden states to the next stage's leader over the world group (gloo); the
 last stage's leader sends the ``StageResult`` back to rank 0 on a second gloo
 group, so the first stage's thread that waits for results never shares a
-group with the sends of its main thread; a leader shares what it receives
+group with the sends of its stage thread; a leader shares what it receives
 with its stage's other tensor ranks by broadcast on the stage's own group,
 where the layers' all-reduces run too.
 
