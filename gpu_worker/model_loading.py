@@ -14,8 +14,9 @@ from gpu_worker.device import choose_device, choose_dtype
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import load_model_config
-from gpu_worker.quantized_linear import pack_weights
-from gpu_worker.weights import ModelWeights, load_weights
+from gpu_worker.quantized_linear import linear, pack_weights
+from gpu_worker.weight_share import WeightShare
+from gpu_worker.weights import NOT_HELD, ModelWeights, load_weights
 
 # Tokens of the prompt whose logits packed weights must reproduce at load.
 PROBE_PROMPT_TOKENS = 32
@@ -26,25 +27,56 @@ def load_model(
     device: str | None = None,
     dtype: str | None = None,
     weight_format: str = "float32",
+    share: WeightShare | None = None,
 ) -> LlamaModel:
-    """Load a Hugging Face-format Llama directory on the chosen device and dtype.
+    """Load a Hugging Face-format Llama directory on the chosen device and dtype:
+    the whole model, or a worker group rank's ``share`` of it (only that is read).
 
     ``weight_format`` 'q4_1', 'float16' or 'int4' packs the matrices for the CPU's
     kernels (``quantized_linear``; 'auto' picks float16 where they
     run, the loaded tensors elsewhere); where they cannot run, or their
     logits of a probe prompt stray from the loaded weights', the loaded
-    tensors are kept (the exact path) and one log line says why.
+    tensors are kept (the exact path) and one log line says why. A share,
+    which cannot compute logits alone, is probed by its matrices' products
+    (``matrix_probe``).
     """
     torch_device = choose_device(device)
     torch_dtype = choose_dtype(torch_device, dtype)
     config = load_model_config(model_dir)
-    weights = load_weights(model_dir, config, torch_device, torch_dtype)
+    share = share or WeightShare.whole(config)
+    weights = load_weights(model_dir, config, torch_device, torch_dtype, share)
 
     def probe(candidate: ModelWeights) -> torch.Tensor:
+        if not share.is_whole(config):
+            return matrix_probe(candidate, torch_device, torch_dtype)
         return probe_logits(LlamaModel(config, candidate, torch_device, torch_dtype))
 
-    weights = pack_weights(weights, weight_format, torch_device, torch_dtype, probe)
-    return LlamaModel(config, weights, torch_device, torch_dtype)
+    weights = pack_weights(
+        weights, weight_format, torch_device, torch_dtype, probe, include_lm_head=share.head
+    )
+    return LlamaModel(share.config(config), weights, torch_device, torch_dtype)
+
+
+def matrix_probe(
+    weights: ModelWeights, device: torch.device, dtype: torch.dtype, num_rows: int = 4
+) -> torch.Tensor:
+    """Every projection's product (and the LM head's, where held) over ``num_rows``
+    fixed pseudo-random rows, flattened into one vector: the probe of a share of a
+    model, whose packed matrices must reproduce the loaded ones' products."""
+    generator = torch.Generator().manual_seed(0)
+    matrices = [
+        matrix
+        for layer in weights.layers
+        for matrix in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ]
+    if weights.lm_head is not NOT_HELD:
+        matrices.append(weights.lm_head)
+    products = []
+    for matrix in matrices:
+        width = matrix.shape[1] if isinstance(matrix, torch.Tensor) else matrix.in_features
+        rows = torch.randn(num_rows, width, generator=generator).to(device=device, dtype=dtype)
+        products.append(linear(rows, matrix).float().flatten())
+    return torch.cat(products)
 
 
 def probe_logits(model: LlamaModel, num_tokens: int = PROBE_PROMPT_TOKENS) -> torch.Tensor:

@@ -1,17 +1,15 @@
 """One pipeline stage's share of the model: its layers and their K/V pool.
 
-``stage_model`` cuts a loaded model down to a stage's layers (the first stage
-keeps the embeddings, the last the final norm and LM head; what a stage does
-not run is dropped). ``PipelineStage.forward`` runs a step's tokens through
-those layers with exactly the ops of one whole forward (``LlamaModel``'s
-``embed``, ``run_layers`` and ``final_rows``), so a pipeline's logits equal
-one rank's. The K/V slots are the first stage's (its block tables): every
-stage's pool has the group's number of blocks.
+A stage's model holds only its layers (and the embeddings in the first stage,
+the final norm and LM head in the last: ``weight_share.py``).
+``PipelineStage.forward`` runs a step's tokens through those layers with
+exactly the ops of one whole forward (``LlamaModel``'s ``embed``,
+``run_layers`` and ``final_rows``), so a pipeline's logits equal one rank's.
+The K/V slots are the first stage's (its block tables): every stage's pool
+has the group's number of blocks.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -19,23 +17,6 @@ from gpu_worker.attention import make_backend
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.step_path import StepInputs
-
-_NOTHING = torch.empty(0)
-
-
-def stage_model(model: LlamaModel, layers: range, first: bool, last: bool) -> LlamaModel:
-    """``model`` with only ``layers`` (and the embeddings if ``first``, the final norm
-    and LM head if ``last``); its config counts the stage's layers."""
-    weights = model.weights
-    stage_weights = dataclasses.replace(
-        weights,
-        embed_tokens=weights.embed_tokens if first else _NOTHING,
-        layers=weights.layers[layers.start : layers.stop],
-        final_norm=weights.final_norm if last else _NOTHING,
-        lm_head=weights.lm_head if last else _NOTHING,
-    )
-    config = dataclasses.replace(model.config, num_layers=len(layers))
-    return LlamaModel(config, stage_weights, model.device, model.dtype, model.pointwise)
 
 
 class PipelineStage:

@@ -425,6 +425,10 @@ class WithTracedForm:
         """The format of the eager form, which the head was packed as."""
         return self.eager.weight_format
 
+    @property
+    def in_features(self) -> int:
+        return self.eager.in_features
+
     def computes_dense_bf16(self, num_rows: int) -> bool:
         """Whether a compiled graph's calls of ``num_rows`` rows are a dense bf16
         matmul: no, a graph reads the int8 form (fp32 arithmetic)."""

@@ -15,12 +15,15 @@ is refused (``check_tensor_parallel``).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.pipeline_layout import GroupConfigError
-from gpu_worker.weights import LayerWeights
+
+if TYPE_CHECKING:
+    from gpu_worker.weights import LayerWeights
 
 
 def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
@@ -80,12 +83,11 @@ def shard_layer(
     assert isinstance(layer.qkv_proj, torch.Tensor), "shard before packing"
     assert isinstance(layer.o_proj, torch.Tensor) and isinstance(layer.down_proj, torch.Tensor)
     assert isinstance(layer.gate_up_proj, torch.Tensor)
-    return LayerWeights(
-        input_norm=layer.input_norm,
+    return dataclasses.replace(
+        layer,
         qkv_proj=qkv_rows(layer.qkv_proj),
         qkv_bias=None if layer.qkv_bias is None else qkv_rows(layer.qkv_bias),
         o_proj=_part(layer.o_proj, 0, q_part, rank, dim=1),
-        post_attention_norm=layer.post_attention_norm,
         gate_up_proj=torch.cat(
             [
                 _part(layer.gate_up_proj, 0, mlp_part, rank),

@@ -6,6 +6,8 @@ gate and up projections of the MLP, so each is one matmul over all tokens.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,11 @@ from safetensors import safe_open
 
 from gpu_worker.model_config import ModelConfig, ModelLoadError
 from gpu_worker.quantized_linear import PackedLinear
+from gpu_worker.weight_share import WeightShare
+
+# What a rank's ``ModelWeights`` has where its share lacks a tensor (the
+# embeddings outside the first stage, the head outside the last).
+NOT_HELD = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class ModelWeights:
-    """The whole network."""
+    """The network, or a rank's share of it (``load_weights``)."""
 
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
@@ -64,50 +71,92 @@ class _Checkpoint:
 
 
 def load_weights(
-    model_dir: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_dir: Path,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    share: WeightShare | None = None,
 ) -> ModelWeights:
-    """Read, fuse, cast and place every weight."""
+    """Read, fuse, cut, cast and place the weights of ``share`` (default: the whole
+    model). A layer is fused and cut on the host in the checkpoint's dtype, one at
+    a time, before it reaches ``device``; what the share lacks is ``NOT_HELD``
+    (its ``layers`` are the share's alone)."""
+    share = share or WeightShare.whole(config)
     checkpoint = _Checkpoint(model_dir)
+    read = checkpoint.get
 
-    def take(name: str) -> torch.Tensor:
-        return checkpoint.get(name).to(device=device, dtype=dtype)
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=device, dtype=dtype)
 
     layers = []
-    for index in range(config.num_layers):
+    for index in share.layers:
         prefix = f"model.layers.{index}."
         attention = prefix + "self_attn."
         qkv_bias = None
         if config.attention_bias or checkpoint.has(attention + "q_proj.bias"):
-            qkv_bias = torch.cat([take(f"{attention}{p}_proj.bias") for p in "qkv"])
-        layers.append(
-            LayerWeights(
-                input_norm=take(prefix + "input_layernorm.weight"),
-                qkv_proj=torch.cat([take(f"{attention}{p}_proj.weight") for p in "qkv"]),
-                qkv_bias=qkv_bias,
-                o_proj=take(attention + "o_proj.weight"),
-                post_attention_norm=take(prefix + "post_attention_layernorm.weight"),
-                gate_up_proj=torch.cat(
-                    [take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]
-                ),
-                down_proj=take(prefix + "mlp.down_proj.weight"),
+            qkv_bias = torch.cat([read(f"{attention}{p}_proj.bias") for p in "qkv"])
+        whole = LayerWeights(
+            input_norm=read(prefix + "input_layernorm.weight"),
+            qkv_proj=torch.cat([read(f"{attention}{p}_proj.weight") for p in "qkv"]),
+            qkv_bias=qkv_bias,
+            o_proj=read(attention + "o_proj.weight"),
+            post_attention_norm=read(prefix + "post_attention_layernorm.weight"),
+            gate_up_proj=torch.cat(
+                [read(prefix + "mlp.gate_proj.weight"), read(prefix + "mlp.up_proj.weight")]
+            ),
+            down_proj=read(prefix + "mlp.down_proj.weight"),
+        )
+        layers.append(_placed(share.cut(whole, config), place))
+    embed_tokens = lm_head = final_norm = NOT_HELD
+    tied = config.tie_word_embeddings or not checkpoint.has("lm_head.weight")
+    if share.embeddings or (share.head and tied):
+        embed_tokens = place(read("model.embed_tokens.weight"))
+        expected = (config.vocab_size, config.hidden_size)
+        if tuple(embed_tokens.shape) != expected:
+            raise ModelLoadError(
+                f"embedding shape {tuple(embed_tokens.shape)} does not match config {expected}"
             )
-        )
-    embed_tokens = take("model.embed_tokens.weight")
-    if config.tie_word_embeddings or not checkpoint.has("lm_head.weight"):
-        lm_head = embed_tokens
-    else:
-        lm_head = take("lm_head.weight")
-    expected = (config.vocab_size, config.hidden_size)
-    if tuple(embed_tokens.shape) != expected:
-        raise ModelLoadError(
-            f"embedding shape {tuple(embed_tokens.shape)} does not match config {expected}"
-        )
+    if share.head:
+        lm_head = embed_tokens if tied else place(read("lm_head.weight"))
+        final_norm = place(read("model.norm.weight"))
     return ModelWeights(
-        embed_tokens=embed_tokens,
+        embed_tokens=embed_tokens if share.embeddings else NOT_HELD,
         layers=layers,
-        final_norm=take("model.norm.weight"),
+        final_norm=final_norm,
         lm_head=lm_head,
     )
+
+
+def _placed(layer: LayerWeights, place: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
+    """``layer`` with every tensor on the engine's device and dtype."""
+    assert all(
+        isinstance(matrix, torch.Tensor)
+        for matrix in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ), "place before packing"
+    return LayerWeights(
+        input_norm=place(layer.input_norm),
+        qkv_proj=place(layer.qkv_proj),  # type: ignore[arg-type]
+        qkv_bias=None if layer.qkv_bias is None else place(layer.qkv_bias),
+        o_proj=place(layer.o_proj),  # type: ignore[arg-type]
+        post_attention_norm=place(layer.post_attention_norm),
+        gate_up_proj=place(layer.gate_up_proj),  # type: ignore[arg-type]
+        down_proj=place(layer.down_proj),  # type: ignore[arg-type]
+    )
+
+
+def checkpoint_digest(model_dir: Path) -> str:
+    """A digest of a checkpoint that every rank of a group can take without reading
+    its weights: each tensor's name, dtype and shape, and the final norm's values
+    (another checkpoint of the same shapes differs there)."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in sorted(handle.keys()):
+                part = handle.get_slice(name)
+                digest.update(f"{name}:{part.get_dtype()}:{part.get_shape()};".encode())
+    norm = _Checkpoint(model_dir).get("model.norm.weight")
+    digest.update(norm.float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def random_weights(

@@ -1,13 +1,14 @@
 """A worker group: one model split into pipeline stages, one engine rank each,
 joined over ``torch.distributed`` (gloo).
 
-Every rank loads the model, keeps its stage's layers (``pipeline_layout.py``,
-``pipeline_stage.py``) and sizes its K/V pool; then the ranks meet at rank 0's
+Every rank reads only its share of the model (``weight_share.py``: its
+stage's layers, ``pipeline_layout.py``, cut to its tensor rank's part) and
+sizes its K/V pool; then the ranks meet at rank 0's
 ``TCPStore`` (the rendezvous: ``--rendezvous HOST:PORT``, or a free port on
 127.0.0.1 when every rank runs on this host). Rank 0 checks that every rank
 came within the timeout (naming those that did not), that all loaded the
 same model the same way (its shape, dtype, weight format, a digest of its
-weights, the split) and takes the smallest pool: every stage holds every
+checkpoint, the split) and takes the smallest pool: every stage holds every
 block the scheduler may grant. Then the ranks start gloo's process groups.
 Anything wrong ends every rank at start with one message.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from gpu_worker.kv_cache import KVCacheBudget, KVCacheSize, KVCacheSizeError, kv_cache_size
 from gpu_worker.llama import LlamaModel
+from gpu_worker.model_config import ModelConfig, load_model_config
 from gpu_worker.pipeline_layout import (
     GroupConfigError,
     num_local_ranks,
@@ -39,8 +40,9 @@ from gpu_worker.pipeline_layout import (
     world_size,
 )
 from gpu_worker.pipeline_link import StageLink
-from gpu_worker.pipeline_stage import stage_model
-from gpu_worker.tensor_shard import check_tensor_parallel, shard_config, shard_layer
+from gpu_worker.tensor_shard import check_tensor_parallel
+from gpu_worker.weight_share import WeightShare
+from gpu_worker.weights import checkpoint_digest
 from shared.settings import WorkerSettings, default_kv_cache_fraction
 
 _log = structlog.get_logger(__name__)
@@ -70,17 +72,16 @@ class _Verdict(msgspec.Struct, frozen=True):
     error: str = ""
 
 
-def model_fingerprint(model: LlamaModel, weight_format: str, settings: WorkerSettings) -> str:
+def model_fingerprint(
+    config: ModelConfig, dtype: torch.dtype, weight_format: str, settings: WorkerSettings
+) -> str:
     """What every rank must agree on: the model's shape, dtype, weight format, a digest
-    of some of its weights, and the group's split."""
-    digest = hashlib.sha256()
-    for tensor in (model.weights.embed_tokens[:8], model.weights.final_norm):
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    of its checkpoint, and the group's split."""
     return (
-        f"{model.config} dtype={model.dtype} weights={weight_format} "
+        f"{config} dtype={dtype} weights={weight_format} "
         f"pipeline_parallel={settings.pipeline_parallel} layer_split={settings.layer_split} "
         f"tensor_parallel={settings.tensor_parallel} "
-        f"digest={digest.hexdigest()[:16]}"
+        f"digest={checkpoint_digest(settings.model.model_dir)}"
     )
 
 
@@ -121,53 +122,37 @@ def _stage_budget(settings: WorkerSettings, device: torch.device) -> KVCacheBudg
     )
 
 
+def rank_share(config: ModelConfig, settings: WorkerSettings, rank: int) -> WeightShare:
+    """What rank ``rank`` holds of the model (raises GroupConfigError for a split
+    the model does not allow): its stage's layers, cut to its tensor rank's share;
+    a stage's other tensor ranks leave the LM head and the sampling to its leader."""
+    ranges = stage_layer_ranges(config.num_layers, settings.pipeline_parallel, settings.layer_split)
+    check_tensor_parallel(config, settings.tensor_parallel)
+    stage, tensor_rank = divmod(rank, settings.tensor_parallel)
+    return WeightShare(
+        layers=ranges[stage],
+        embeddings=stage == 0,
+        head=stage == settings.pipeline_parallel - 1 and tensor_rank == 0,
+        tensor_parallel=settings.tensor_parallel,
+        tensor_rank=tensor_rank,
+    )
+
+
 def _load_stage(settings: WorkerSettings, rank: int) -> tuple[range, LlamaModel, KVCacheSize, str]:
-    """This rank's layers, stage model (its tensor-parallel share), pool size and
-    fingerprint (raises GroupConfigError or KVCacheSizeError for a setting to change)."""
+    """This rank's layers, share of the model (read alone: ``weight_share``), pool
+    size and fingerprint (raises GroupConfigError or KVCacheSizeError for a setting
+    to change)."""
     from gpu_worker.model_loading import load_model
     from gpu_worker.quantized_linear import weight_format_of
 
-    model = load_model(
-        settings.model.model_dir, settings.device, settings.dtype, settings.weight_format
-    )
-    ranges = stage_layer_ranges(
-        model.config.num_layers, settings.pipeline_parallel, settings.layer_split
-    )
-    check_tensor_parallel(model.config, settings.tensor_parallel)
-    weight_format = weight_format_of(model.weights)
-    fingerprint = model_fingerprint(model, weight_format, settings)
-    stage, tensor_rank = divmod(rank, settings.tensor_parallel)
-    first, last = stage == 0, stage == settings.pipeline_parallel - 1
-    layers = ranges[stage]
-    if settings.tensor_parallel > 1:
-        model = _tensor_shard(model, settings, tensor_rank, weight_format)
-    # A stage's other tensor ranks leave the LM head and the sampling to its leader.
-    stage_part = stage_model(model, layers, first=first, last=last and tensor_rank == 0)
-    del model
-    budget = _stage_budget(settings, stage_part.device)
-    size = kv_cache_size(stage_part.config, budget, stage_part.device, stage_part.dtype)
-    return layers, stage_part, size, fingerprint
-
-
-def _tensor_shard(
-    model: LlamaModel, settings: WorkerSettings, tensor_rank: int, weight_format: str
-) -> LlamaModel:
-    """``model`` (packed as ``weight_format``) with every layer cut to this tensor
-    rank's share: cut from the loaded weights, then packed the same way (the
-    whole model's probe already chose the format); embeddings, norms and head whole."""
-    from gpu_worker.quantized_linear import pack_weights
-    from gpu_worker.weights import load_weights
-
-    config, device, dtype = model.config, model.device, model.dtype
-    loaded = load_weights(settings.model.model_dir, config, device, dtype)
-    layers = [
-        shard_layer(layer, config, settings.tensor_parallel, tensor_rank) for layer in loaded.layers
-    ]
-    shard = dataclasses.replace(loaded, layers=layers)
-    packed = pack_weights(shard, weight_format, device, dtype, include_lm_head=False)
-    weights = dataclasses.replace(packed, lm_head=model.weights.lm_head)
-    shard_shape = shard_config(config, settings.tensor_parallel)
-    return LlamaModel(shard_shape, weights, device, dtype, model.pointwise)
+    model_dir = settings.model.model_dir
+    config = load_model_config(model_dir)
+    share = rank_share(config, settings, rank)
+    model = load_model(model_dir, settings.device, settings.dtype, settings.weight_format, share)
+    fingerprint = model_fingerprint(config, model.dtype, weight_format_of(model.weights), settings)
+    budget = _stage_budget(settings, model.device)
+    size = kv_cache_size(model.config, budget, model.device, model.dtype)
+    return share.layers, model, size, fingerprint
 
 
 def _connect(settings: WorkerSettings, rank: int) -> dist.TCPStore:
