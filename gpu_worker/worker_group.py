@@ -1,5 +1,5 @@
 """A worker group: one model split into pipeline stages, one engine rank each,
-joined over ``torch.distributed`` (gloo).
+joined over ``torch.distributed`` (NCCL on CUDA, gloo on the CPU).
 
 Every rank reads only its share of the model (``weight_share.py``: its
 stage's layers, ``pipeline_layout.py``, cut to its tensor rank's part) and
@@ -9,7 +9,9 @@ sizes its K/V pool; then the ranks meet at rank 0's
 came within the timeout (naming those that did not), that all loaded the
 same model the same way (its shape, dtype, weight format, a digest of its
 checkpoint, the split) and takes the smallest pool: every stage holds every
-block the scheduler may grant. Then the ranks start gloo's process groups.
+block the scheduler may grant. Then the ranks start their process groups: the
+data plane (NCCL on CUDA, one GPU a rank; gloo on the CPU) and gloo's control
+plane (``pipeline_link.py``).
 Anything wrong ends every rank at start with one message.
 
 Rank 0 is the group's only Redis client (its shell); the stages behind it
@@ -29,17 +31,19 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from gpu_worker.device import choose_device
 from gpu_worker.kv_cache import KVCacheBudget, KVCacheSize, KVCacheSizeError, kv_cache_size
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import ModelConfig, load_model_config
 from gpu_worker.pipeline_layout import (
     GroupConfigError,
+    local_ranks,
     num_local_ranks,
     rendezvous_address,
     stage_layer_ranges,
     world_size,
 )
-from gpu_worker.pipeline_link import StageLink
+from gpu_worker.pipeline_link import LinkGroups, StageLink, data_backend
 from gpu_worker.tensor_shard import check_tensor_parallel
 from gpu_worker.weight_share import WeightShare
 from gpu_worker.weights import checkpoint_digest
@@ -109,11 +113,13 @@ class GroupMember:
 
 
 def _stage_budget(settings: WorkerSettings, device: torch.device) -> KVCacheBudget:
-    """The K/V budget of one rank: the worker's, its memory share divided among the
-    ranks of this host (three ranks must not each take the whole share)."""
+    """The K/V budget of one rank: the worker's; on the CPU its memory share divided
+    among the ranks of this host (three ranks must not each take the whole share)."""
     fraction = settings.kv_cache_fraction
     if settings.kv_cache_bytes is None:
-        fraction = (fraction or default_kv_cache_fraction(device.type)) / num_local_ranks(settings)
+        fraction = fraction or default_kv_cache_fraction(device.type)
+        if device.type == "cpu":  # on CUDA each rank has a device of its own
+            fraction /= num_local_ranks(settings)
     return KVCacheBudget(
         num_bytes=settings.kv_cache_bytes,
         fraction=fraction,
@@ -138,6 +144,25 @@ def rank_share(config: ModelConfig, settings: WorkerSettings, rank: int) -> Weig
     )
 
 
+def rank_device(settings: WorkerSettings, rank: int) -> str:
+    """Rank ``rank``'s device: ``--device`` where it is the CPU or names an index,
+    else on CUDA the GPU of the rank's place among this host's ranks (torchrun's
+    ``LOCAL_RANK`` where set): NCCL takes one device a rank, so a host with fewer
+    GPUs than ranks is refused (GroupConfigError)."""
+    device = choose_device(settings.device)
+    if device.type != "cuda" or device.index is not None:
+        return str(device)
+    local = int(os.environ.get("LOCAL_RANK", local_ranks(settings).index(rank)))
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise GroupConfigError(
+            f"rank {rank} is rank {local} of this host, which has {count} CUDA device(s): "
+            "a group's ranks on CUDA take one device each (NCCL); run at most "
+            f"{count} ranks a host, or give each its --device cuda:N"
+        )
+    return f"cuda:{local}"
+
+
 def _load_stage(settings: WorkerSettings, rank: int) -> tuple[range, LlamaModel, KVCacheSize, str]:
     """This rank's layers, share of the model (read alone: ``weight_share``), pool
     size and fingerprint (raises GroupConfigError or KVCacheSizeError for a setting
@@ -148,7 +173,8 @@ def _load_stage(settings: WorkerSettings, rank: int) -> tuple[range, LlamaModel,
     model_dir = settings.model.model_dir
     config = load_model_config(model_dir)
     share = rank_share(config, settings, rank)
-    model = load_model(model_dir, settings.device, settings.dtype, settings.weight_format, share)
+    device = rank_device(settings, rank)
+    model = load_model(model_dir, device, settings.dtype, settings.weight_format, share)
     fingerprint = model_fingerprint(config, model.dtype, weight_format_of(model.weights), settings)
     budget = _stage_budget(settings, model.device)
     size = kv_cache_size(model.config, budget, model.device, model.dtype)
@@ -237,27 +263,33 @@ def join_group(settings: WorkerSettings, rank: int) -> GroupMember:
         raise GroupStartError(verdict.error)
     assert model is not None and size is not None
     timeout = datetime.timedelta(seconds=settings.rendezvous_timeout_s)
+    device = model.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # The world group is the data plane (NCCL on CUDA); the control plane is gloo's.
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"{_KEY}pg", store), rank=rank, world_size=world,
-        timeout=timeout,
+        data_backend(device), store=dist.PrefixStore(f"{_KEY}pg", store), rank=rank,
+        world_size=world, timeout=timeout,
     )  # fmt: skip
-    result_group = dist.new_group(backend="gloo", timeout=timeout)
-    # Every rank makes every stage's group, in the same order (new_group's rule).
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    results = dist.new_group(backend="gloo", timeout=timeout)
+    # Every rank makes every stage's groups, in the same order (new_group's rule).
     tensor_parallel = settings.tensor_parallel
-    stage_group = None
+    groups = LinkGroups(control, results)
     if tensor_parallel > 1:
-        stage_groups = [
-            dist.new_group(list(range(start, start + tensor_parallel)), timeout, "gloo")
-            for start in range(0, world, tensor_parallel)
-        ]
-        stage_group = stage_groups[rank // tensor_parallel]
-    link = StageLink(rank, settings.pipeline_parallel, tensor_parallel, result_group, stage_group)
-    if stage_group is not None:
+        for start in range(0, world, tensor_parallel):
+            ranks = list(range(start, start + tensor_parallel))
+            stage_data = dist.new_group(ranks, timeout, data_backend(device))
+            stage_control = dist.new_group(ranks, timeout, "gloo")
+            if start == rank // tensor_parallel * tensor_parallel:
+                groups = LinkGroups(control, results, stage_data, stage_control)
+    link = StageLink(rank, settings.pipeline_parallel, tensor_parallel, groups, device)
+    if groups.stage_data is not None:
         model.reduce_partial = link.reduce_partial
     _log.info(
         "group_rank_joined", rank=rank, world_size=world, pid=os.getpid(),
         layers=f"{layers.start}-{layers.stop - 1}", num_blocks=verdict.num_blocks,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), device=str(device),
     )  # fmt: skip
     return GroupMember(
         rank=rank,

@@ -19,17 +19,20 @@ import safetensors.torch
 import torch
 
 from gateway.tokenizer import ChatTokenizer
+from gpu_worker import worker_group
 from gpu_worker.engine import Engine
 from gpu_worker.engine_host import EngineProcess, EngineProcessDied, EngineThread, PlanJob
 from gpu_worker.kv_cache import KVCacheBudget, bytes_per_block
 from gpu_worker.model_config import load_model_config
 from gpu_worker.model_loading import load_model
-from gpu_worker.pipeline_layout import free_local_port, stage_layer_ranges
+from gpu_worker.pipeline_layout import GroupConfigError, free_local_port, stage_layer_ranges
+from gpu_worker.pipeline_link import data_backend
 from gpu_worker.step_done import StepDone
+from gpu_worker.worker_group import _stage_budget, rank_device
 from scheduler_actor.config import SchedulerConfig
 from scheduler_actor.core import Scheduler
 from shared.messages import SamplingParams
-from shared.settings import WorkerSettings
+from shared.settings import WorkerSettings, default_kv_cache_fraction
 from tests.gpu_worker import overlap_scenario
 from tests.gpu_worker.test_engine_host import KV_CACHE_BYTES, _plans, _run, _settings
 from tests.gpu_worker.tiny_models import write_tiny_model
@@ -297,3 +300,28 @@ def test_a_killed_rank_ends_the_whole_group(
         assert not _alive(first_pid) and not _alive(other_pid)
 
     asyncio.run(scenario())
+
+
+def test_each_rank_on_cuda_takes_a_gpu_of_its_own_and_the_cpu_shares_its_memory(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The decision alone (no GPU here): NCCL takes one device a rank.
+    settings = _group(tiny_dir, 3)
+    assert [rank_device(settings, rank) for rank in range(3)] == ["cpu"] * 3
+    assert data_backend(torch.device("cpu")) == "gloo"
+    assert data_backend(torch.device("cuda", 1)) == "nccl"
+    shared_memory = dataclasses.replace(settings, kv_cache_bytes=None)
+    cpu_budget = _stage_budget(shared_memory, torch.device("cpu"))
+    assert cpu_budget.fraction == pytest.approx(default_kv_cache_fraction("cpu") / 3)
+    monkeypatch.setattr(worker_group, "choose_device", lambda name: torch.device(name or "cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    on_cuda = dataclasses.replace(settings, device="cuda", kv_cache_bytes=None)
+    assert [rank_device(on_cuda, rank) for rank in range(2)] == ["cuda:0", "cuda:1"]
+    with pytest.raises(GroupConfigError, match="rank 2 is rank 2 of this host, which has 2 CUDA"):
+        rank_device(on_cuda, 2)
+    pinned = dataclasses.replace(on_cuda, device="cuda:1", group_rank=2)
+    assert rank_device(pinned, 2) == "cuda:1"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's word
+    assert rank_device(dataclasses.replace(on_cuda, group_rank=2), 2) == "cuda:1"
+    cuda_budget = _stage_budget(on_cuda, torch.device("cuda", 0))
+    assert cuda_budget.fraction == pytest.approx(default_kv_cache_fraction("cuda"))
