@@ -4,6 +4,8 @@ the same group fed one plan at a time, and the throughput of the
 group against one engine and against llama.cpp's ``llama-server``.
 
     python -m bench.pipeline [--stages 2] [--rates 2,3] [--duration 40]
+                             [--servers one,group,per-stage,one-at-a-time,big-plans]
+                             [--layer-splits 16,14/17,13]
                              [--formats Q4_1,Q8_0] [--slots 16] [--threads 2]
                              [--cache-dir ~/.cache/orcapod/llama.cpp]
                              [--out bench/results/pipeline.json]
@@ -23,7 +25,11 @@ loop over the OpenAI API, one server at a time:
    removes; about 1/P busy each);
 5. the same group with plans of one engine's size (``--pipeline-token-budget
    512``: whole prompt chunks beside decodes);
-6. ``llama-server -np --slots`` on each GGUF of ``--formats``.
+6. the same group with each ``--layer-split`` of ``--layer-splits`` (none by
+   default): the last stage also runs the LM head and samples;
+7. ``llama-server -np --slots`` on each GGUF of ``--formats``.
+
+``--servers`` picks which of 1-5 run (all by default).
 
 The groups' busy fractions come from their first stage's ``pipeline_summary``
 lines (each stage's compute time over the wall time of 200 steps), the
@@ -62,6 +68,8 @@ from orcapod.bench.traces import TraceSpec, make_trace
 
 # Each stage busy at saturation with one plan per stage in flight (issue 32).
 TARGET_BUSY = 0.9
+# The orcapod servers of a run, by the name ``--servers`` takes.
+SERVER_KEYS = ("one", "group", "per-stage", "one-at-a-time", "big-plans")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", type=int, default=16, help="llama-server -np")
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    parser.add_argument(
+        "--servers", default=",".join(SERVER_KEYS),
+        help=f"which orcapod servers to run, of {','.join(SERVER_KEYS)}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layer-splits", default="",
+        help="more groups, one for each --layer-split, separated by '/' (e.g. 16,14/17,13)",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "pipeline.json")
     return parser
@@ -126,6 +142,45 @@ def busy_table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def orcapod_servers(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The orcapod servers ``--servers`` and ``--layer-splits`` ask for: name -> the
+    flags of ``orcapod up``."""
+    stages = str(args.stages)
+    group = ["--pipeline-parallel", stages]
+    every = {
+        "one": ("orcapod, one engine", []),
+        # The group as it comes: one plan more than stages in flight (the next one is
+        # there while the scheduler's round trip for the last result runs), each at
+        # most --pipeline-token-budget new tokens.
+        "group": (f"orcapod, {stages} stages", group),
+        "per-stage": (
+            f"orcapod, {stages} stages, one plan per stage",
+            [*group, f"--worker-arg=--max-inflight={stages}"],
+        ),
+        "one-at-a-time": (
+            f"orcapod, {stages} stages, one plan at a time",
+            [*group, "--worker-arg=--max-inflight=1"],
+        ),
+        # Plans as one engine's (up to --token-budget, whole prompt chunks): a long
+        # chunk among decodes keeps the other stage waiting.
+        "big-plans": (
+            f"orcapod, {stages} stages, plans of one engine's size",
+            [*group, "--scheduler-arg=--pipeline-token-budget=512"],
+        ),
+    }
+    keys = [key.strip() for key in args.servers.split(",") if key.strip()]
+    unknown = sorted(set(keys) - set(every))
+    if unknown:
+        raise SystemExit(f"--servers: {unknown} are not of {','.join(SERVER_KEYS)}")
+    servers = dict(every[key] for key in SERVER_KEYS if key in keys)
+    # The last stage also runs the LM head and samples: a split by cost, not count.
+    for split in (part.strip() for part in args.layer_splits.split("/")):
+        if split:
+            name = f"orcapod, {stages} stages, --layer-split {split}"
+            servers[name] = [*group, f"--worker-arg=--layer-split={split}"]
+    return servers
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
@@ -139,25 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         "stages": args.stages, "rates": rates, "duration_s": args.duration, "seed": args.seed,
         "slots": args.slots, "threads": args.threads, "formats": formats,
     }}  # fmt: skip
-    stages = str(args.stages)
-    services = {
-        "orcapod, one engine": [],
-        # The group as it comes: one plan more than stages in flight (the next one is
-        # there while the scheduler's round trip for the last result runs), each at
-        # most --pipeline-token-budget new tokens.
-        f"orcapod, {stages} stages": ["--pipeline-parallel", stages],
-        f"orcapod, {stages} stages, one plan per stage": [
-            "--pipeline-parallel", stages, f"--worker-arg=--max-inflight={stages}",
-        ],
-        f"orcapod, {stages} stages, one plan at a time": [
-            "--pipeline-parallel", stages, "--worker-arg=--max-inflight=1",
-        ],
-        # Plans as one engine's (up to --token-budget, whole prompt chunks): a long
-        # chunk among decodes keeps the other stage waiting.
-        f"orcapod, {stages} stages, plans of one engine's size": [
-            "--pipeline-parallel", stages, "--scheduler-arg=--pipeline-token-budget=512",
-        ],
-    }  # fmt: skip
+    services = orcapod_servers(args)
     results: dict[str, list[dict]] = {}
     for index, (name, up_args) in enumerate(services.items()):
         log_path = logs / f"up-{index}.log"
@@ -186,13 +223,14 @@ def main(argv: list[str] | None = None) -> None:
     saturated = {name: saturation(runs) for name, runs in results.items()}
     for name, value in saturated.items():
         print(f"saturation, {name}: {value:.2f} req/s")
-    group = results[f"orcapod, {stages} stages"]
-    busiest_rate = max(group, key=lambda run: run.get("completed_rps", 0.0))
-    busy = busiest_rate.get("stage_busy_fraction") or []
-    verdict = "MET" if busy and min(busy) >= TARGET_BUSY else "MISSED"
-    line = f"{verdict}: each stage busy {busy} at saturation (target >= {TARGET_BUSY})"
-    print(line)
-    document["verdict"] = line
+    group = results.get(f"orcapod, {args.stages} stages")
+    if group:
+        busiest_rate = max(group, key=lambda run: run.get("completed_rps", 0.0))
+        busy = busiest_rate.get("stage_busy_fraction") or []
+        verdict = "MET" if busy and min(busy) >= TARGET_BUSY else "MISSED"
+        line = f"{verdict}: each stage busy {busy} at saturation (target >= {TARGET_BUSY})"
+        print(line)
+        document["verdict"] = line
     write_json(args.out, document, indent=1)
     print(f"\nwrote {args.out} (logs in {logs}/)")
 

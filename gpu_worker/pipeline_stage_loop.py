@@ -68,8 +68,8 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
                 _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
         if not link.is_leader:
             continue  # the leader passes the stage's result on
-        stage_ms.append((time.perf_counter() - started_s) * 1000)
         if not member.last:
+            stage_ms.append((time.perf_counter() - started_s) * 1000)
             link.send_hidden(output, stage_ms, link.next)
             continue
         samples = None
@@ -78,6 +78,7 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
                 samples = sample_rows(output, message.sampling_rows)
             except Exception:
                 _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
+        stage_ms.append((time.perf_counter() - started_s) * 1000)  # sampling is its work too
         result = StageResult(message.step_id, samples, stage_ms)
         link.send_message(encoder.encode(result), 0, results=True)
 
