@@ -275,7 +275,7 @@ def test_ranks_that_load_different_models_are_refused(tiny_dir: Path, tmp_path: 
 
 @pytest.mark.parametrize(
     ("num_stages", "tensor_parallel", "killed"),
-    [(2, 1, "last stage"), (2, 1, "first stage"), (1, 2, "tensor peer")],
+    [(2, 1, "last stage"), (2, 1, "first stage"), (3, 1, "middle stage"), (1, 2, "tensor peer")],
 )
 def test_a_killed_rank_ends_the_whole_group(
     tiny_dir: Path, num_stages: int, tensor_parallel: int, killed: str
@@ -285,19 +285,20 @@ def test_a_killed_rank_ends_the_whole_group(
         await host.start()
         done: asyncio.Queue[StepDone | None] = asyncio.Queue()
         running = asyncio.create_task(host.run(asyncio.Event(), done))
-        [other] = host._stage_processes
-        first_pid, other_pid = host._process.pid, other.pid
-        assert first_pid is not None and other_pid is not None
-        os.kill(first_pid if killed == "first stage" else other_pid, signal.SIGKILL)
+        pids = [host._process.pid, *(process.pid for process in host._stage_processes)]
+        assert None not in pids and len(pids) == num_stages * tensor_parallel
+        # Ranks: the first stage's is 0, the middle one's 1 of 3, the last one's last.
+        victim = {"first stage": 0, "middle stage": 1}.get(killed, len(pids) - 1)
+        os.kill(pids[victim], signal.SIGKILL)  # type: ignore[arg-type]
         # A tensor peer's loss shows at the next collective: the next plan's.
         host.submit(PlanJob(b"0-0", _plans()[0], time.time()))
         with pytest.raises(EngineProcessDied):
             await asyncio.wait_for(running, timeout=20)
         assert done.get_nowait() is None
         deadline = time.monotonic() + 10
-        while (_alive(first_pid) or _alive(other_pid)) and time.monotonic() < deadline:
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:  # type: ignore[arg-type]
             await asyncio.sleep(0.1)
-        assert not _alive(first_pid) and not _alive(other_pid)
+        assert not any(_alive(pid) for pid in pids)  # type: ignore[arg-type]
 
     asyncio.run(scenario())
 
