@@ -10,11 +10,19 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import structlog
+import torch
 
 from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.pipeline_messages import STAGE_MESSAGE, StageResult, StageStop, encoder
+from gpu_worker.pipeline_messages import (
+    STAGE_MESSAGE,
+    StageResult,
+    StageStep,
+    StageStop,
+    encoder,
+)
 from gpu_worker.pipeline_stage import PipelineStage
 from gpu_worker.sampler import sample_rows
 from gpu_worker.worker_group import GroupMember, GroupStartError, join_group
@@ -22,6 +30,45 @@ from shared.parent_death import die_with_parent
 from shared.settings import WorkerSettings
 
 _log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StagePass:
+    """One step through a rank's stage: the output (the hidden states for the next
+    stage, the last stage's logits; None where a forward failed, here or before),
+    each earlier stage's compute time (ms) and when this one's began."""
+
+    output: torch.Tensor | None
+    stage_ms: list[float]
+    started_s: float
+
+
+def pass_through_stage(member: GroupMember, stage: PipelineStage, step: StageStep) -> StagePass:
+    """``step`` through this rank's stage: the hidden states from the stage before
+    (its leader receives them and shares them with the stage's tensor ranks), the
+    stage's layers, and, from a leader but the last stage's, the result sent on. A
+    forward that raises is logged and fails the step alone."""
+    link, model = member.link, member.model
+    num_tokens, hidden_size = len(step.inputs.token_ids), model.config.hidden_size
+    stage_ms: list[float] = []
+    carried = None
+    if not member.first:
+        if link.is_leader:
+            carried, stage_ms = link.recv_hidden(
+                link.previous, num_tokens, hidden_size, model.dtype
+            )
+        carried = link.share_hidden(carried, num_tokens, hidden_size, model.dtype)
+    started_s = time.perf_counter()
+    output = None
+    if member.first or carried is not None:
+        try:
+            output = stage.forward(step.inputs, carried)
+        except Exception:  # the step fails, the stage goes on
+            _log.exception("stage_step_failed", rank=member.rank, step_id=step.step_id)
+    if link.is_leader and not member.last:
+        stage_ms = [*stage_ms, (time.perf_counter() - started_s) * 1000]
+        link.send_hidden(output, stage_ms, link.next)
+    return StagePass(output, stage_ms, started_s)
 
 
 def serve_stage(member: GroupMember, backend_name: str) -> None:
@@ -34,7 +81,6 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
     link = member.link
     samples_here = member.last and link.is_leader
     stage = PipelineStage(model, kv_cache, backend_name, first=member.first, last=samples_here)
-    hidden_size = model.config.hidden_size
     while True:
         payload = None
         if link.is_leader:
@@ -49,36 +95,17 @@ def serve_stage(member: GroupMember, backend_name: str) -> None:
                 link.send_message(encoder.encode(StageResult(-1, None)), 0, results=True)
             link.wait_sent()
             return
-        inputs = message.inputs
-        stage_ms: list[float] = []
-        carried = None
-        num_tokens = len(inputs.token_ids)
-        if not member.first:
-            if link.is_leader:
-                carried, stage_ms = link.recv_hidden(
-                    link.previous, num_tokens, hidden_size, model.dtype
-                )
-            carried = link.share_hidden(carried, num_tokens, hidden_size, model.dtype)
-        started_s = time.perf_counter()
-        output = None
-        if member.first or carried is not None:
-            try:
-                output = stage.forward(inputs, carried)
-            except Exception:  # the step fails, the stage goes on
-                _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
-        if not link.is_leader:
-            continue  # the leader passes the stage's result on
-        if not member.last:
-            stage_ms.append((time.perf_counter() - started_s) * 1000)
-            link.send_hidden(output, stage_ms, link.next)
-            continue
+        passed = pass_through_stage(member, stage, message)
+        if not samples_here:
+            continue  # sent on by the leader, or the leader's to send
         samples = None
-        if output is not None:
+        if passed.output is not None:
             try:
-                samples = sample_rows(output, message.sampling_rows)
+                samples = sample_rows(passed.output, message.sampling_rows)
             except Exception:
                 _log.exception("stage_step_failed", rank=member.rank, step_id=message.step_id)
-        stage_ms.append((time.perf_counter() - started_s) * 1000)  # sampling is its work too
+        # Sampling is the last stage's work too.
+        stage_ms = [*passed.stage_ms, (time.perf_counter() - passed.started_s) * 1000]
         result = StageResult(message.step_id, samples, stage_ms)
         link.send_message(encoder.encode(result), 0, results=True)
 

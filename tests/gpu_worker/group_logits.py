@@ -24,7 +24,9 @@ from gpu_worker.attention import default_backend_name
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model_loading import load_model
 from gpu_worker.pipeline_layout import free_local_port
+from gpu_worker.pipeline_messages import StageStep
 from gpu_worker.pipeline_stage import PipelineStage
+from gpu_worker.pipeline_stage_loop import pass_through_stage
 from gpu_worker.step_path import StepInputs, StepPiece
 from gpu_worker.worker_group import join_group
 from shared.settings import WorkerSettings
@@ -77,19 +79,13 @@ def _rank(settings: WorkerSettings, rank: int, results: multiprocessing.Queue) -
     samples_here = member.last and link.is_leader
     backend = default_backend_name(model.device)
     stage = PipelineStage(model, kv_cache, backend, first=member.first, last=samples_here)
-    inputs = _step(kv_cache, model.config.vocab_size)
-    num_tokens, hidden_size = len(inputs.token_ids), model.config.hidden_size
-    carried = None
-    if not member.first:
-        if link.is_leader:
-            carried, _ = link.recv_hidden(link.previous, num_tokens, hidden_size, model.dtype)
-        carried = link.share_hidden(carried, num_tokens, hidden_size, model.dtype)
-    output = stage.forward(inputs, carried)
-    if link.is_leader and not member.last:
-        link.send_hidden(output, [0.0], link.next)
-        link.wait_sent()
+    # Every row's logits: the step as the first stage would send it, all rows sampled.
+    step = StageStep(0, _step(kv_cache, model.config.vocab_size), [])
+    passed = pass_through_stage(member, stage, step)
+    link.wait_sent()
     if samples_here:
-        results.put(output.numpy())
+        assert passed.output is not None, "the group's forward failed (see the log)"
+        results.put(passed.output.numpy())
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
