@@ -48,7 +48,7 @@ from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.llama import LlamaModel
 from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.pointwise import make_pointwise
-from gpu_worker.weights import ModelWeights, random_weights
+from gpu_worker.weights import random_weights, weights_num_bytes
 
 BLOCK_SIZE = 16
 TARGET_BATCH, TARGET_CONTEXT, TARGET_FLOOR_RATIO = 64, 1024, 1.5
@@ -232,18 +232,6 @@ def random_tensor(
     return torch.randn(shape, generator=generator, device=generator.device).to(dtype)
 
 
-def weight_bytes_read(weights: ModelWeights) -> int:
-    """Bytes a decode step reads from the weights: every layer, the final norm and
-    the LM head (the embedding only gathers a few rows unless it is the LM head)."""
-    tensors = [weights.final_norm, weights.lm_head]
-    for layer in weights.layers:
-        tensors += [layer.input_norm, layer.qkv_proj, layer.o_proj, layer.post_attention_norm]
-        tensors += [layer.gate_up_proj, layer.down_proj]
-        if layer.qkv_bias is not None:
-            tensors.append(layer.qkv_bias)
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def decode_layout(
     batch: int, context: int, rng: random.Random, num_blocks: int
 ) -> tuple[list[SequenceLayout], list[int], list[int]]:
@@ -306,7 +294,7 @@ def measure_config(
     runner = DecodeGraphRunner(model, cache, backend)
     capture_s = time.perf_counter() - started
     print(f"{name}: captured {len(runner.buckets)} decode graphs in {capture_s:.1f} s", flush=True)
-    weights_bytes = weight_bytes_read(weights)
+    weights_bytes = weights_num_bytes(weights, embeddings=False)
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     rng = random.Random(0)
     rows, launch_us, prepare_us = [], [], []

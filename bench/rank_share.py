@@ -28,6 +28,7 @@ from gpu_worker.model_config import load_model_config
 from gpu_worker.model_loading import load_model
 from gpu_worker.quantized_linear import weight_format_of
 from gpu_worker.weight_share import WeightShare
+from gpu_worker.weights import weights_num_bytes
 from gpu_worker.worker_group import rank_share
 from shared.settings import RedisSettings, WorkerSettings, model_location
 
@@ -42,22 +43,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _held_bytes(model: Any) -> int:
-    """Bytes of every tensor (or packed matrix) the model's weights hold."""
-    weights, total = model.weights, 0
-    tensors = [weights.embed_tokens, weights.final_norm, weights.lm_head]
-    for layer in weights.layers:
-        tensors += [layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj]
-        tensors += [layer.post_attention_norm, layer.gate_up_proj, layer.down_proj]
-    seen: set[int] = set()
-    for tensor in tensors:
-        if tensor is None or id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        total += tensor.nbytes if isinstance(tensor, torch.Tensor) else tensor.num_bytes
-    return total
-
-
 def _load(model_dir: Path, weights: str, share: WeightShare | None, out: Any) -> None:
     """A child: load, then report seconds, peak memory and held bytes."""
     torch.set_num_threads(1)
@@ -65,7 +50,8 @@ def _load(model_dir: Path, weights: str, share: WeightShare | None, out: Any) ->
     model = load_model(model_dir, "cpu", "float32", weights, share)
     seconds = time.perf_counter() - began
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put((seconds, peak_mib, _held_bytes(model) / 2**20, weight_format_of(model.weights)))
+    held_mib = weights_num_bytes(model.weights) / 2**20
+    out.put((seconds, peak_mib, held_mib, weight_format_of(model.weights)))
 
 
 def _measure(model_dir: Path, weights: str, share: WeightShare | None) -> dict[str, Any]:

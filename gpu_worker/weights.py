@@ -144,6 +144,23 @@ def _placed(layer: LayerWeights, place: Callable[[torch.Tensor], torch.Tensor]) 
     )
 
 
+def weights_num_bytes(weights: ModelWeights, embeddings: bool = True) -> int:
+    """Bytes the weights hold: every layer, the final norm and the LM head, plain or
+    packed, and the embedding table unless ``embeddings`` is False (a decode step
+    gathers a few of its rows); a tied head counts once."""
+    parts: list[torch.Tensor | PackedLinear | None] = [weights.final_norm, weights.lm_head]
+    if embeddings:
+        parts.append(weights.embed_tokens)
+    for layer in weights.layers:
+        parts += [layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj]
+        parts += [layer.post_attention_norm, layer.gate_up_proj, layer.down_proj]
+    unique = {id(part): part for part in parts if part is not None}
+    return sum(
+        part.numel() * part.element_size() if isinstance(part, torch.Tensor) else part.num_bytes
+        for part in unique.values()
+    )
+
+
 def checkpoint_digest(model_dir: Path) -> str:
     """A digest of a checkpoint that every rank of a group can take without reading
     its weights: each tensor's name, dtype and shape, and the final norm's values

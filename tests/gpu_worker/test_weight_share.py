@@ -17,7 +17,7 @@ from gpu_worker.model_loading import load_model
 from gpu_worker.quantized_linear import weight_format_of
 from gpu_worker.tensor_shard import shard_layer
 from gpu_worker.weight_share import WeightShare
-from gpu_worker.weights import NOT_HELD, checkpoint_digest, load_weights
+from gpu_worker.weights import NOT_HELD, checkpoint_digest, load_weights, weights_num_bytes
 from gpu_worker.worker_group import rank_share
 from shared.settings import RedisSettings, WorkerSettings, model_location
 from tests.gpu_worker.tiny_models import write_tiny_model
@@ -108,3 +108,15 @@ def test_every_rank_fingerprints_the_checkpoint_without_its_weights(tmp_path: Pa
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.5  # a fine-tune
     save_file(tensors, str(path))
     assert checkpoint_digest(first) != checkpoint_digest(same)
+
+
+def test_a_shares_bytes_are_its_tensors_and_a_tied_head_counts_once(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "tiny", num_hidden_layers=4)
+    config = load_model_config(model_dir)
+    whole = load_weights(model_dir, config, CPU, torch.float32)
+    [path] = model_dir.glob("*.safetensors")
+    # Every checkpoint tensor once (the head is the embedding), in fp32.
+    assert weights_num_bytes(whole) == sum(t.numel() * 4 for t in load_file(str(path)).values())
+    first = load_weights(model_dir, config, CPU, torch.float32, WeightShare(range(2), True, False))
+    embedding = config.vocab_size * config.hidden_size * 4
+    assert weights_num_bytes(first, embeddings=False) == weights_num_bytes(first) - embedding
