@@ -1,6 +1,6 @@
 """The benchmarks, each run from the repo root as ``python -m bench.<name>`` (how to run
 each and what it feeds: docs/benchmarks.md): ``llama_cpp``, ``quant_agreement``,
-``cpu_kernels`` (``cpu_kernels_numba`` is one of its candidates), ``orca_peer``,
+``cpu_kernels`` (``cpu_kernels_numba`` is one of its candidates), ``lm_head``, ``orca_peer``,
 ``multiturn``, ``control_plane``, ``scheduler``, ``start_time``, ``engine``,
 ``profile_engine``, ``soak``, ``openai_load``, ``tokenizer_fairness``, ``gpu`` (run by
 ``bench/gpu.sh``; ``bench/gpu_bundle.sh`` and ``bench/gpu_offline.sh`` take it to an

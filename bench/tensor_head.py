@@ -30,7 +30,7 @@ from bench.output import RESULTS_DIR, log, write_json
 from bench.timing import median_s
 from gpu_worker.model_loading import load_model
 from gpu_worker.pipeline_layout import free_local_port
-from gpu_worker.quantized_linear import Float16Linear, weight_format_of
+from gpu_worker.quantized_linear import Float16Linear, Q41Linear, weight_format_of
 from gpu_worker.weights import load_weights
 from shared.settings import model_location
 
@@ -97,11 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     assert not isinstance(head, torch.Tensor), "the head is packed as the worker packs it"
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     width = -(-vocab // args.ranks)
-    # A rank's slice in the form the worker keeps the head in (fp16 where the
-    # head is off the layers' grid, as the packaged model's Q8_0 head is).
+    # A rank's slice in the form the worker keeps the head in (q4_1's: the kernel's
+    # Q8_0 form where the head is on that grid, as the packaged model's is).
     loaded = load_weights(model_dir, model.config, model.device, model.dtype).lm_head
     assert isinstance(loaded, torch.Tensor)
-    piece = Float16Linear.pack_head(loaded[:width].contiguous())
+    packer = Q41Linear if weight_format_of(model.weights) == "q4_1" else Float16Linear
+    piece = packer.pack_head(loaded[:width].contiguous())
     log(f"gathering [rows, {width}] among {args.ranks} processes ...")
     gathered = gather_s(args.ranks, [(rows, width) for rows in rows_list], args.repeats)
     table = []

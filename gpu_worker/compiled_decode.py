@@ -8,8 +8,9 @@ where the LM head is an fbgemm object alone, or for batches, and the head
 then runs after the graph), fuses the norms, RoPE, SwiGLU and residual adds
 into a few C++ loops per layer and calls the matmul and attention kernels
 from one generated function (an LM head on a Q8_0 grid, as the packaged
-model's, is one such loop over its int8 form in the lone graph:
-``Int8GroupLinear``): the CPU's counterpart of the CUDA graphs in
+model's, is one such loop over its int8 form in the lone graph on AVX-512
+CPUs, ``Int8GroupLinear``; on AVX2 ones ``q4_1``'s head is the kernel's Q8_0
+op, which the graph calls): the CPU's counterpart of the CUDA graphs in
 ``cuda_graphs.py``.
 
 ``CompiledDecode`` keeps one graph for a lone request (a chat) and, where the

@@ -8,9 +8,10 @@ that ship in every x86 torch wheel (fbgemm's fp16 one, and torch's own 4-bit one
 - ``q4_1``: for weights on llama.cpp's Q4_1 grid (the packaged model's layers),
   held exactly (4-bit levels, an fp16 scale and minimum per 32) for
   ``q4_1_kernel.py``'s C++ kernel; fp32 activations and accumulation, the same
-  arithmetic for a row alone or in a batch of any size, prefills included. The
-  LM head off the grid (the packaged one is Q8_0) is kept as the float16 format
-  keeps it.
+  arithmetic for a row alone or in a batch of any size, prefills included. An
+  LM head off that grid but on Q8_0's (the packaged one) takes the same kernel's
+  Q8_0 form, exactly (half of fp16's bytes); one on neither is kept as the
+  float16 format keeps it.
 
 - ``float16``: weights rounded to fp16 once; activations and accumulation
   stay fp32 (about 0.02 % per layer, independent of the batch).
@@ -52,7 +53,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gpu_worker.device import cpu_has_native_bf16
-from gpu_worker.q4_1_kernel import Q41Matrix, Q41PackError, kernel_unavailable_reason
+from gpu_worker.q4_1_kernel import (
+    OffGridError,
+    Q41Matrix,
+    Q80Matrix,
+    kernel_unavailable_reason,
+    q8_0_grid,
+)
 from shared.settings import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
@@ -201,20 +208,15 @@ class Int8GroupLinear:
         """``weight`` [out, in] (fp32) whose every group of 32 is ``level * scale``
         with the largest |level| 127; PackError when it is not (int8 would change it)."""
         out_features, in_features = weight.shape
-        if in_features % INT8_GROUP_SIZE:
-            raise PackError(f"has {in_features} columns, not a multiple of {INT8_GROUP_SIZE}")
         if out_features % INT8_ROW_TILE:
             raise PackError(f"has {out_features} rows, not a multiple of {INT8_ROW_TILE}")
-        groups = weight.reshape(out_features, -1, INT8_GROUP_SIZE)
-        scale = groups.abs().amax(dim=-1) / 127
-        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero groups
-        levels = (groups / safe_scale[..., None]).round()
-        off_grid = (levels * scale[..., None] - groups).abs()
-        if not bool((off_grid <= 1e-3 * safe_scale[..., None]).all()):  # NaN too
-            raise PackError(f"is not on an 8-bit grid of {INT8_GROUP_SIZE} values (not Q8_0)")
+        try:
+            levels, scale = q8_0_grid(weight)
+        except OffGridError as error:
+            raise PackError(str(error)) from None
         tiles, tile = out_features // INT8_ROW_TILE, INT8_ROW_TILE
         # Little-endian: byte b of word w is column 4w + b.
-        words = levels.to(torch.int8).reshape(out_features, in_features).view(torch.int32)
+        words = levels.view(torch.int32)
         return cls(
             words.reshape(tiles, tile, -1).transpose(1, 2).contiguous(),
             scale.reshape(tiles, tile, -1).transpose(1, 2).contiguous(),
@@ -358,7 +360,7 @@ class Q41Linear:
     rows (exact to fp32 rounding), about a third of float16's bytes. Eager steps
     and the lone compiled graph call the same op."""
 
-    matrix: Q41Matrix
+    matrix: Q41Matrix | Q80Matrix  # the layers' Q4_1; an LM head's Q8_0
 
     weight_format: ClassVar[str] = "q4_1"
     traceable: ClassVar[bool] = True
@@ -374,17 +376,20 @@ class Q41Linear:
         """``weight`` [out, in] (fp32) on the Q4_1 grid; PackError otherwise."""
         try:
             return cls(Q41Matrix.pack(weight))
-        except Q41PackError as error:
+        except OffGridError as error:
             raise PackError(str(error)) from None
 
     @classmethod
     def pack_head(cls, weight: torch.Tensor) -> Q41Linear | Float16Linear:
-        """The LM head [vocab, hidden] (fp32): Q4_1 where it lies on the grid, else
-        fp16 as the float16 format keeps it (the packaged model's head is Q8_0)."""
-        try:
-            return cls.pack(weight)
-        except PackError:
-            return Float16Linear.pack_head(weight)
+        """The LM head [vocab, hidden] (fp32): Q4_1 where it lies on that grid, else
+        Q8_0 where it lies on that one (the packaged model's head does), both exact;
+        else fp16 as the float16 format keeps it."""
+        for matrix in (Q41Matrix, Q80Matrix):
+            try:
+                return cls(matrix.pack(weight))
+            except OffGridError:
+                pass
+        return Float16Linear.pack_head(weight)
 
     @property
     def out_features(self) -> int:

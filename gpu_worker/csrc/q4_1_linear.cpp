@@ -1,10 +1,14 @@
-// A Q4_1 weight matrix times fp32 activations on the CPU (AVX2, FMA, F16C): the
-// projections of the packaged model's layers, for every step (decode and prefill).
+// A grouped-quantized weight matrix times fp32 activations on the CPU (AVX2, FMA,
+// F16C), for every step (decode and prefill): Q4_1 for the packaged model's layers,
+// Q8_0 for its LM head (the tied embedding).
 //
-// The weights are llama.cpp's Q4_1 (its block_q4_1 is the reference): each row of
-// W [out, in] is cut into groups of 32 weights, a group being a scale d, a minimum
-// m (both fp16) and 32 levels q in 0..15, its weights q * d + m. Unlike llama.cpp
-// the activations are not rounded to 8 bits: they stay fp32, and so do the sums.
+// The weights are llama.cpp's (its block_q4_1 and block_q8_0 are the reference):
+// each row of W [out, in] is cut into groups of 32 weights, a group being a scale
+// d (fp16) and 32 levels q, its weights
+//   Q4_1: q * d + m, q in 0..15 and m the group's minimum (fp16);
+//   Q8_0: q * d, q in -127..127.
+// Unlike llama.cpp the activations are not rounded to 8 bits: they stay fp32, and
+// so do the sums.
 //
 // The scheme is a GEMM whose weight operand is decoded as it is needed (BLIS's
 // register tiles, with a panel of W in registers or in a thread's cache):
@@ -14,6 +18,12 @@
 // one chain of FMAs per output element, columns k in order, where w[k, o] =
 // fma(q, d, m) is the very fp32 weight the GGUF reader makes (q * d is exact in
 // fp32, 4 bits times fp16's 11, so one rounding is the reader's product-then-sum).
+// Q8_0 has no minimum, so its scale comes out of each group's sum, as in llama.cpp's
+// dot products (a multiply a weight fewer; as exact, within fp32 rounding):
+//
+//     y[t, o] = fma(d[G-1, o], s[t, G-1, o], ... fma(d[0, o], s[t, 0, o], 0))
+//
+// where s[t, g, o] is the chain of FMAs above over group g's columns, with w = q.
 // A vector holds 8 outputs; a broadcast x[t, k] multiplies them. Every output
 // element goes through those operations in that order whatever the number of rows
 // of x, how they are blocked, which path below runs them, or the threads: a
@@ -24,12 +34,14 @@
 //
 // Layout (gpu_worker/q4_1_kernel.py packs it): output rows in panels of 16 (the
 // last one padded with zero weights), a panel's columns in blocks of 8:
-//   levels   [panels, in / 8, 64] uint8: a block is two vectors of 8 uint32 lanes,
-//            the panel's outputs 0-7 then 8-15; lane i holds output i's levels of
-//            the block's 8 columns, column j in bits 4j..4j+3 (a mask, a shift and
-//            a conversion a column: no shuffles);
+//   levels   Q4_1: [panels, in / 8, 64] uint8: a block is two vectors of 8 uint32
+//            lanes, the panel's outputs 0-7 then 8-15; lane i holds output i's
+//            levels of the block's 8 columns, column j in bits 4j..4j+3 (a mask, a
+//            shift and a conversion a column: no shuffles);
+//            Q8_0: [panels, in / 8, 128] int8: column by column, the levels of the
+//            panel's 16 outputs (one 16-byte load and two sign extensions a column);
 //   scales   [panels, in / 32, 16] fp16: d of the panel's 16 outputs, per group;
-//   minimums [panels, in / 32, 16] fp16: m likewise.
+//   minimums [panels, in / 32, 16] fp16: m likewise (Q4_1 only).
 //
 // Threads share out the panels. Two paths, one arithmetic:
 // - up to kFewRows rows (decode steps): every row uses each column as it is
@@ -57,7 +69,6 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kPanel = 16;
 // Columns per block of levels: 8 nibbles to a 32-bit lane.
 constexpr int64_t kBlock = 8;
-constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
 // Calls of up to this many rows decode into registers only. It is also the most
 // rows that decode at once: 4 rows x 2 vectors of sums, 2 of weights, 2 of levels
 // and a broadcast are 13 of AVX2's 16 registers; a fifth row would spill.
@@ -70,9 +81,9 @@ constexpr int kFewestBufferRows = 3;
 
 // One panel's packed operands (see the layout above).
 struct Panel {
-  const uint8_t* levels;     // [in / 8, 64]
+  const uint8_t* levels;     // [in / 8, block bytes]
   const uint16_t* scales;    // [in / 32, 16]
-  const uint16_t* minimums;  // [in / 32, 16]
+  const uint16_t* minimums;  // [in / 32, 16], or null (Q8_0)
 };
 
 struct PackedMatrix {
@@ -81,49 +92,113 @@ struct PackedMatrix {
   const uint16_t* minimums;
   int64_t in;
 
+  template <typename Format>
   Panel panel(int64_t index) const {
     const int64_t groups = in / kGroup;
-    return {levels + index * (in / kBlock) * kBlockBytes, scales + index * groups * kPanel,
-            minimums + index * groups * kPanel};
+    return {levels + index * (in / kBlock) * Format::kBlockBytes, scales + index * groups * kPanel,
+            minimums == nullptr ? nullptr : minimums + index * groups * kPanel};
   }
 };
 
-// A group's scales and minimums of the panel's 16 outputs, as fp32.
-struct GroupTables {
-  __m256 scale_low, scale_high, minimum_low, minimum_high;
+// A group's 16 fp16 values of the panel's outputs (scales or minimums), as fp32.
+inline void load_table(const uint16_t* table, int64_t group, __m256& low, __m256& high) {
+  const auto* halves = reinterpret_cast<const __m128i*>(table + group * kPanel);
+  low = _mm256_cvtph_ps(_mm_loadu_si128(halves));
+  high = _mm256_cvtph_ps(_mm_loadu_si128(halves + 1));
+}
+
+// How each format stores and decodes a panel's block of 8 columns: its group's
+// tables, its levels, and the weights of its next column (outputs 0-7 and 8-15).
+struct Q41 {
+  static constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
+  // Whether each group's sums are scaled (a column's weights are then its levels).
+  static constexpr bool kScalesGroupSums = false;
+  static constexpr const char* kName = "q4_1_linear";
+  static constexpr at::ScalarType kLevelType = at::kByte;
+  static constexpr const char* kLevelTypeName = "uint8";
+
+  struct Tables {
+    __m256 scale_low, scale_high, minimum_low, minimum_high;
+  };
+  // The levels of outputs 0-7 and 8-15, shifted right by 4 after each column.
+  struct Block {
+    __m256i low, high;
+  };
+
+  static Tables load_tables(const Panel& panel, int64_t group) {
+    const auto* scales = reinterpret_cast<const __m128i*>(panel.scales + group * kPanel);
+    const auto* minimums = reinterpret_cast<const __m128i*>(panel.minimums + group * kPanel);
+    return {_mm256_cvtph_ps(_mm_loadu_si128(scales)), _mm256_cvtph_ps(_mm_loadu_si128(scales + 1)),
+            _mm256_cvtph_ps(_mm_loadu_si128(minimums)),
+            _mm256_cvtph_ps(_mm_loadu_si128(minimums + 1))};
+  }
+
+  static Block load_block(const Panel& panel, int64_t block) {
+    const auto* vectors = reinterpret_cast<const __m256i*>(panel.levels + block * kBlockBytes);
+    return {_mm256_loadu_si256(vectors), _mm256_loadu_si256(vectors + 1)};
+  }
+
+  // The block's next column: its 16 weights fma(q, d, m).
+  static void next_column(Block& block, const Tables& tables, __m256& low, __m256& high) {
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(block.low, nibble)),
+                          tables.scale_low, tables.minimum_low);
+    high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(block.high, nibble)),
+                           tables.scale_high, tables.minimum_high);
+    block.low = _mm256_srli_epi32(block.low, 4);
+    block.high = _mm256_srli_epi32(block.high, 4);
+  }
 };
 
-inline GroupTables load_tables(const Panel& panel, int64_t group) {
-  const auto* scales = reinterpret_cast<const __m128i*>(panel.scales + group * kPanel);
-  const auto* minimums = reinterpret_cast<const __m128i*>(panel.minimums + group * kPanel);
-  return {_mm256_cvtph_ps(_mm_loadu_si128(scales)), _mm256_cvtph_ps(_mm_loadu_si128(scales + 1)),
-          _mm256_cvtph_ps(_mm_loadu_si128(minimums)),
-          _mm256_cvtph_ps(_mm_loadu_si128(minimums + 1))};
-}
+struct Q80 {
+  static constexpr int64_t kBlockBytes = kPanel * kBlock;
+  static constexpr bool kScalesGroupSums = true;
+  static constexpr const char* kName = "q8_0_linear";
+  static constexpr at::ScalarType kLevelType = at::kChar;
+  static constexpr const char* kLevelTypeName = "int8";
 
-// A block's levels of outputs 0-7 and 8-15, shifted right by 4 after each column.
-struct LevelBlock {
-  __m256i low, high;
+  struct Tables {
+    __m256 scale_low, scale_high;
+  };
+  // The next column's 16 levels.
+  struct Block {
+    const __m128i* column;
+  };
+
+  static Tables load_tables(const Panel& panel, int64_t group) {
+    Tables tables;
+    load_table(panel.scales, group, tables.scale_low, tables.scale_high);
+    return tables;
+  }
+
+  static Block load_block(const Panel& panel, int64_t block) {
+    return {reinterpret_cast<const __m128i*>(panel.levels + block * kBlockBytes)};
+  }
+
+  // The block's next column: its 16 levels q, as fp32 (each group's sums are scaled).
+  static void next_column(Block& block, const Tables&, __m256& low, __m256& high) {
+    const auto* levels = reinterpret_cast<const uint8_t*>(block.column++);
+    low = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels))));
+    high = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + 8))));
+  }
 };
 
-inline LevelBlock load_block(const Panel& panel, int64_t block) {
-  const auto* vectors = reinterpret_cast<const __m256i*>(panel.levels + block * kBlockBytes);
-  return {_mm256_loadu_si256(vectors), _mm256_loadu_si256(vectors + 1)};
-}
+// The scaled sums of the groups done, [row][16 outputs], of a format that scales
+// each group's sums (kept in memory, the L1, apart from a tile's registers).
+template <typename Format, int R, bool = Format::kScalesGroupSums>
+struct Totals {
+  alignas(32) float rows[R][kPanel] = {};
+};
 
-// The block's next column: its 16 weights fma(q, d, m).
-inline void next_column(LevelBlock& block, const GroupTables& tables, __m256& low, __m256& high) {
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
-  low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(block.low, nibble)), tables.scale_low,
-                        tables.minimum_low);
-  high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(block.high, nibble)),
-                         tables.scale_high, tables.minimum_high);
-  block.low = _mm256_srli_epi32(block.low, 4);
-  block.high = _mm256_srli_epi32(block.high, 4);
-}
+// Nothing for a format whose sums are not scaled by group.
+template <typename Format, int R>
+struct Totals<Format, R, false> {};
 
-// The sums of R rows of x for one panel: [row][outputs 0-7, 8-15], in registers.
-template <int R>
+// The sums of R rows of x for one panel: [row][outputs 0-7, 8-15], in registers
+// (for a format that scales each group's sums, the current group's).
+template <typename Format, int R>
 struct Tile {
   __m256 sums[R][2];
 
@@ -131,6 +206,23 @@ struct Tile {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+    }
+  }
+
+  // The end of a group's columns: its sums scaled into `totals` (a format that
+  // scales them), then zero again.
+  inline void end_group(const Panel& panel, int64_t group, Totals<Format, R>& totals) {
+    if constexpr (Format::kScalesGroupSums) {
+      float(*rows)[kPanel] = totals.rows;
+      const typename Format::Tables tables = Format::load_tables(panel, group);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        _mm256_store_ps(rows[r],
+                        _mm256_fmadd_ps(tables.scale_low, sums[r][0], _mm256_load_ps(rows[r])));
+        _mm256_store_ps(rows[r] + 8, _mm256_fmadd_ps(tables.scale_high, sums[r][1],
+                                                     _mm256_load_ps(rows[r] + 8)));
+        sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+      }
     }
   }
 
@@ -145,11 +237,14 @@ struct Tile {
   }
 
   // The first `columns` outputs of each row into y (a row every `out` floats):
-  // the last panel may hold fewer than 16.
-  inline void store(float* y, int64_t out, int64_t columns) const {
+  // the last panel may hold fewer than 16. A format that scales each group's sums
+  // stores its totals.
+  inline void store(float* y, int64_t out, int64_t columns, const Totals<Format, R>& totals) const {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      if (columns == kPanel) {
+      if constexpr (Format::kScalesGroupSums) {
+        std::memcpy(y + r * out, totals.rows[r], columns * sizeof(float));
+      } else if (columns == kPanel) {
         _mm256_storeu_ps(y + r * out, sums[r][0]);
         _mm256_storeu_ps(y + r * out + 8, sums[r][1]);
       } else {
@@ -166,23 +261,24 @@ struct Tile {
 // kStore, stored to `decoded` [in, 16]; P is then 1). The panels take turns by
 // blocks of 8 columns: each holds its levels and tables only while it decodes,
 // and the CPU overlaps the panels' chains of FMAs.
-template <int R, int P, bool kStore>
+template <typename Format, int R, int P, bool kStore>
 void decoding_tiles(const float* x, int64_t in, const Panel* panels, float* decoded, float* y,
                     int64_t out, int64_t columns_of_last) {
   static_assert(!kStore || P == 1, "one panel at a time is stored");
-  Tile<R> tiles[P];
+  Tile<Format, R> tiles[P];
+  Totals<Format, R> totals[P];
   for (int64_t group = 0; group < in / kGroup; ++group) {
     for (int64_t block = group * (kGroup / kBlock); block < (group + 1) * (kGroup / kBlock);
          ++block) {
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const GroupTables tables = load_tables(panels[p], group);
-        LevelBlock levels = load_block(panels[p], block);
+        const typename Format::Tables tables = Format::load_tables(panels[p], group);
+        typename Format::Block levels = Format::load_block(panels[p], block);
 #pragma GCC unroll 8
         for (int j = 0; j < kBlock; ++j) {
           const int64_t k = block * kBlock + j;
           __m256 low, high;
-          next_column(levels, tables, low, high);
+          Format::next_column(levels, tables, low, high);
           if constexpr (kStore) {
             _mm256_store_ps(decoded + k * kPanel, low);
             _mm256_store_ps(decoded + k * kPanel + 8, high);
@@ -191,23 +287,33 @@ void decoding_tiles(const float* x, int64_t in, const Panel* panels, float* deco
         }
       }
     }
+    if constexpr (Format::kScalesGroupSums) {
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        tiles[p].end_group(panels[p], group, totals[p]);
+      }
+    }
   }
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p) {
-    tiles[p].store(y + p * kPanel, out, p == P - 1 ? columns_of_last : kPanel);
+    tiles[p].store(y + p * kPanel, out, p == P - 1 ? columns_of_last : kPanel, totals[p]);
   }
 }
 
-// R rows of x times one panel whose weights are in `decoded` [in, 16].
-template <int R>
-void buffer_tile(const float* x, int64_t in, const float* decoded, float* y, int64_t out,
-                 int64_t columns) {
-  Tile<R> tile;
-  for (int64_t k = 0; k < in; ++k) {
-    tile.accumulate(x, in, k, _mm256_load_ps(decoded + k * kPanel),
-                    _mm256_load_ps(decoded + k * kPanel + 8));
+// R rows of x times one panel whose decoded columns are in `decoded` [in, 16].
+template <typename Format, int R>
+void buffer_tile(const float* x, int64_t in, const Panel& panel, const float* decoded, float* y,
+                 int64_t out, int64_t columns) {
+  Tile<Format, R> tile;
+  Totals<Format, R> totals;
+  for (int64_t group = 0; group < in / kGroup; ++group) {
+    for (int64_t k = group * kGroup; k < (group + 1) * kGroup; ++k) {
+      tile.accumulate(x, in, k, _mm256_load_ps(decoded + k * kPanel),
+                      _mm256_load_ps(decoded + k * kPanel + 8));
+    }
+    tile.end_group(panel, group, totals);
   }
-  tile.store(y, out, columns);
+  tile.store(y, out, columns, totals);
 }
 
 // Calls a template's instance for a number of rows known at run time, 1..R.
@@ -225,7 +331,7 @@ void with_rows(int64_t rows, const Run& run) {
 int64_t columns_of(int64_t panel, int64_t out) { return std::min(kPanel, out - panel * kPanel); }
 
 // Panels [begin, end) for a call of up to kFewRows rows.
-template <int R>
+template <typename Format, int R>
 void few_rows(const float* x, const PackedMatrix& w, int64_t begin, int64_t end, float* y,
               int64_t out) {
   // A lone row's two chains a panel would wait on the FMAs' latency: two panels.
@@ -234,19 +340,20 @@ void few_rows(const float* x, const PackedMatrix& w, int64_t begin, int64_t end,
   for (; p + P <= end; p += P) {
     Panel panels[P];
     for (int i = 0; i < P; ++i) {
-      panels[i] = w.panel(p + i);
+      panels[i] = w.panel<Format>(p + i);
     }
-    decoding_tiles<R, P, false>(x, w.in, panels, nullptr, y + p * kPanel, out,
+    decoding_tiles<Format, R, P, false>(x, w.in, panels, nullptr, y + p * kPanel, out,
                                 columns_of(p + P - 1, out));
   }
   for (; p < end; ++p) {
-    const Panel panel = w.panel(p);
-    decoding_tiles<R, 1, false>(x, w.in, &panel, nullptr, y + p * kPanel, out, columns_of(p, out));
+    const Panel panel = w.panel<Format>(p);
+    decoding_tiles<Format, R, 1, false>(x, w.in, &panel, nullptr, y + p * kPanel, out, columns_of(p, out));
   }
 }
 
 // Panels [begin, end) for a call of more than kFewRows rows, `decoded` [in, 16]
 // the thread's buffer.
+template <typename Format>
 void many_rows(const float* x, int64_t rows, const PackedMatrix& w, int64_t begin, int64_t end,
                float* decoded, float* y, int64_t out) {
   const int64_t in = w.in;
@@ -255,74 +362,96 @@ void many_rows(const float* x, int64_t rows, const PackedMatrix& w, int64_t begi
   const int64_t buffer_rows = rows - decoding_rows;
   const int64_t num_tiles = (buffer_rows + kBufferRows - 1) / kBufferRows;
   for (int64_t p = begin; p < end; ++p) {
-    const Panel panel = w.panel(p);
+    const Panel panel = w.panel<Format>(p);
     const int64_t columns = columns_of(p, out);
     with_rows<kFewRows>(decoding_rows, [&](auto r) {
-      decoding_tiles<decltype(r)::value, 1, true>(x, in, &panel, decoded, y + p * kPanel, out,
+      decoding_tiles<Format, decltype(r)::value, 1, true>(x, in, &panel, decoded, y + p * kPanel, out,
                                                   columns);
     });
     int64_t t = decoding_rows;
     for (int64_t tile = 0; tile < num_tiles; ++tile) {
       const int64_t size = (rows - t + (num_tiles - tile) - 1) / (num_tiles - tile);
       with_rows<kBufferRows>(size, [&](auto r) {
-        buffer_tile<decltype(r)::value>(x + t * in, in, decoded, y + t * out + p * kPanel, out,
-                                        columns);
+        buffer_tile<Format, decltype(r)::value>(x + t * in, in, panel, decoded,
+                                                y + t * out + p * kPanel, out, columns);
       });
       t += size;
     }
   }
 }
 
-void check_packed(const char* op, const at::Tensor& levels, const at::Tensor& scales,
-                  const at::Tensor& minimums, int64_t out) {
-  TORCH_CHECK(levels.dim() == 3 && levels.scalar_type() == at::kByte && levels.is_contiguous() &&
-                  levels.size(2) == kBlockBytes,
-              op, ": levels must be a contiguous uint8 tensor [panels, in / 8, 64]");
+// The packed operands' shapes and types (a minimums table for Q4_1 only);
+// returns the number of columns.
+template <typename Format>
+int64_t check_packed(const at::Tensor& levels, const at::Tensor& scales,
+                     const at::Tensor* minimums, int64_t out) {
+  const char* op = Format::kName;
+  TORCH_CHECK(levels.dim() == 3 && levels.scalar_type() == Format::kLevelType &&
+                  levels.is_contiguous() && levels.size(2) == Format::kBlockBytes,
+              op, ": levels must be a contiguous ", Format::kLevelTypeName,
+              " tensor [panels, in / 8, ",
+              Format::kBlockBytes, "]");
   const int64_t panels = levels.size(0);
   const int64_t in = levels.size(1) * kBlock;
   TORCH_CHECK(in % kGroup == 0, op, ": ", in, " columns, not a multiple of 32");
-  for (const at::Tensor* table : {&scales, &minimums}) {
-    TORCH_CHECK(table->scalar_type() == at::kHalf && table->is_contiguous() &&
-                    table->dim() == 3 && table->size(0) == panels &&
-                    table->size(1) == in / kGroup && table->size(2) == kPanel,
+  for (const at::Tensor* table : {&scales, minimums}) {
+    TORCH_CHECK(table == nullptr ||
+                    (table->scalar_type() == at::kHalf && table->is_contiguous() &&
+                     table->dim() == 3 && table->size(0) == panels &&
+                     table->size(1) == in / kGroup && table->size(2) == kPanel),
                 op, ": scales and minimums must be contiguous fp16 [", panels, ", ", in / kGroup,
                 ", 16]");
   }
   TORCH_CHECK(out > (panels - 1) * kPanel && out <= panels * kPanel, op, ": ", out,
               " outputs do not fill ", panels, " panels of 16");
+  return in;
 }
 
-at::Tensor q4_1_linear(const at::Tensor& x_in, const at::Tensor& levels, const at::Tensor& scales,
-                       const at::Tensor& minimums, int64_t out) {
+template <typename Format>
+at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& levels,
+                          const at::Tensor& scales, const at::Tensor* minimums, int64_t out) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
-              "q4_1_linear: x must be a 2-D fp32 CPU tensor, got ", x_in.sizes(), " ",
+              Format::kName, ": x must be a 2-D fp32 CPU tensor, got ", x_in.sizes(), " ",
               x_in.scalar_type());
-  check_packed("q4_1_linear", levels, scales, minimums, out);
-  const int64_t in = levels.size(1) * kBlock;
-  TORCH_CHECK(x_in.size(1) == in, "q4_1_linear: x has ", x_in.size(1), " columns, W has ", in);
+  const int64_t in = check_packed<Format>(levels, scales, minimums, out);
+  TORCH_CHECK(x_in.size(1) == in, Format::kName, ": x has ", x_in.size(1), " columns, W has ",
+              in);
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0) {
     return y;
   }
-  const PackedMatrix w{levels.data_ptr<uint8_t>(),
-                       reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                       reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>()), in};
+  const PackedMatrix w{
+      reinterpret_cast<const uint8_t*>(levels.data_ptr()),
+      reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+      minimums == nullptr ? nullptr
+                          : reinterpret_cast<const uint16_t*>(minimums->data_ptr<at::Half>()),
+      in};
   const float* x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   at::parallel_for(0, levels.size(0), 1, [&](int64_t begin, int64_t end) {
     if (rows <= kFewRows) {
       with_rows<kFewRows>(rows, [&](auto r) {
-        few_rows<decltype(r)::value>(x_data, w, begin, end, y_data, out);
+        few_rows<Format, decltype(r)::value>(x_data, w, begin, end, y_data, out);
       });
     } else {
       // This task's buffer for one decoded panel (the allocator aligns it to 64 bytes).
       at::Tensor decoded = at::empty({in * kPanel}, x.options());
-      many_rows(x_data, rows, w, begin, end, decoded.data_ptr<float>(), y_data, out);
+      many_rows<Format>(x_data, rows, w, begin, end, decoded.data_ptr<float>(), y_data, out);
     }
   });
   return y;
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& scales,
+                       const at::Tensor& minimums, int64_t out) {
+  return grouped_linear<Q41>(x, levels, scales, &minimums, out);
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& scales,
+                       int64_t out) {
+  return grouped_linear<Q80>(x, levels, scales, nullptr, out);
 }
 
 }  // namespace
@@ -331,6 +460,10 @@ TORCH_LIBRARY(orcapod, m) {
   m.def(
       "q4_1_linear(Tensor x, Tensor levels, Tensor scales, Tensor minimums, int out_features) -> "
       "Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor levels, Tensor scales, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(orcapod, CPU, m) { m.impl("q4_1_linear", &q4_1_linear); }
+TORCH_LIBRARY_IMPL(orcapod, CPU, m) {
+  m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("q8_0_linear", &q8_0_linear);
+}

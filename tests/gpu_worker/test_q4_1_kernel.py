@@ -1,9 +1,9 @@
-"""The project's C++ Q4_1 kernel (``gpu_worker/csrc/q4_1_linear.cpp``) against a
-reference dequantize-then-matmul in float64: every shape SmolLM2 has, odd row
-counts and output counts, both of the kernel's paths and each way it splits a
-call's rows between tiles; the same bits for a row alone and inside any batch,
-a 512-row prefill included; the packed layout as the kernel reads it; what it
-refuses; and the op inside a compiled graph."""
+"""The project's C++ Q4_1 kernel (``gpu_worker/csrc/q4_1_linear.cpp``), and its
+Q8_0 form for an LM head, against a reference dequantize-then-matmul in float64:
+every shape SmolLM2 has, odd row counts and output counts, both of the kernel's
+paths and each way it splits a call's rows between tiles; the same bits for a
+row alone and inside any batch, a 512-row prefill included; the packed layout as
+the kernel reads it; what it refuses; and the op inside a compiled graph."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 
 from gpu_worker.q4_1_kernel import (
     PANEL_ROWS,
+    OffGridError,
     Q41Matrix,
-    Q41PackError,
+    Q80Matrix,
     kernel_unavailable_reason,
     missing_cpu_flags,
     unavailable_reason,
@@ -155,17 +156,17 @@ def test_the_op_refuses_bad_inputs_with_a_message() -> None:
 
 def test_matrices_off_the_grid_are_not_packed() -> None:
     on_grid = q4_1_weights(8, 64)
-    with pytest.raises(Q41PackError, match="not a multiple of 32"):
+    with pytest.raises(OffGridError, match="not a multiple of 32"):
         Q41Matrix.pack(torch.randn(8, 40))
-    with pytest.raises(Q41PackError, match="not on a 4-bit grid"):
+    with pytest.raises(OffGridError, match="not on a 4-bit grid"):
         Q41Matrix.pack(torch.randn(8, 64))  # the tests' random models
     nudged = on_grid.clone()
     nudged[3, 7] += 1e-2 * float(nudged[3].abs().max())
-    with pytest.raises(Q41PackError, match="not on a 4-bit grid"):
+    with pytest.raises(OffGridError, match="not on a 4-bit grid"):
         Q41Matrix.pack(nudged)
-    with pytest.raises(Q41PackError):
+    with pytest.raises(OffGridError):
         Q41Matrix.pack(torch.full((8, 64), float("nan")))
-    with pytest.raises(Q41PackError, match="fp16's range"):
+    with pytest.raises(OffGridError, match="fp16's range"):
         Q41Matrix.pack(on_grid * 1e6)
     # Constant groups (a zero matrix) are on the grid: levels 0, scale 0.
     zeros = Q41Matrix.pack(torch.zeros(8, 64))
@@ -210,4 +211,103 @@ def test_a_compiled_graph_calls_the_op_and_gets_the_same_bits() -> None:
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     x = torch.randn(3, 64)
+    assert torch.equal(compiled(x), step(x))
+
+
+def q8_0_weights(out: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """A matrix on llama.cpp's Q8_0 grid: per 32, levels -127..127 (the largest
+    |level| 127, as llama.cpp's quantizer makes it) and an fp16 scale."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = columns // 32
+    levels = torch.randint(-127, 128, (out, groups, 32), generator=generator).float()
+    levels[..., 11] = 127 * torch.where(torch.rand(out, groups, generator=generator) < 0.5, -1, 1)
+    scale = (torch.rand(out, groups, 1, generator=generator) * 1e-3 + 1e-5).half().float()
+    return (levels * scale).reshape(out, columns)
+
+
+# The packaged model's LM head [vocab, hidden] (its tied Q8_0 embedding), then odd shapes.
+Q8_0_SHAPES = [(49152, 576), (960, 576), (7, 64), (33, 32)]
+Q8_0_ROWS = [1, 2, 3, 4, 5, 7, 8, 17]
+
+
+@pytest.mark.parametrize(("out", "columns"), Q8_0_SHAPES)
+def test_the_q8_0_form_is_exact_to_fp32_rounding_and_the_same_for_a_row_alone(out, columns):
+    weight = q8_0_weights(out, columns)
+    matrix = Q80Matrix.pack(weight)
+    assert torch.equal(matrix.dequantized(), weight)  # the packing loses nothing
+    generator = torch.Generator().manual_seed(1)
+    for rows in Q8_0_ROWS if out < 10_000 else [1, 5]:
+        x = torch.randn(rows, columns, generator=generator)
+        y = matrix(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, out)
+        reference = x.double() @ weight.double().T
+        bound = 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+        assert bool(((y.double() - reference).abs() <= bound).all()), rows
+        alone = torch.cat([matrix(x[row : row + 1]) for row in range(rows)])
+        assert torch.equal(y, alone), rows
+
+
+def test_the_q8_0_layout_is_the_one_the_kernel_reads() -> None:
+    """Panels of 16 outputs (the last padded with zeros), column by column the
+    panel's 16 levels; scales per panel and group."""
+    weight = q8_0_weights(20, 64, seed=5)
+    matrix = Q80Matrix.pack(weight)
+    assert matrix.levels.shape == (2, 8, 128) and matrix.levels.dtype == torch.int8
+    assert matrix.scales.shape == (2, 2, PANEL_ROWS) and matrix.in_features == 64
+    output, column = 17, 45  # panel 1, output 1; column 45, group 1
+    level = int(matrix.levels.reshape(2, 64, 16)[1, column, 1])
+    assert weight[output, column] == level * float(matrix.scales[1, 1, 1])
+    assert not bool(matrix.levels.reshape(2, 64, 16)[1, :, 4:].any())
+    assert not bool(matrix.scales[1, :, 4:].any())
+    assert matrix.num_bytes == 2 * 16 * 64 + 2 * 2 * 16 * 2
+
+
+def test_an_lm_head_on_the_q8_0_grid_takes_the_kernel_and_off_it_keeps_fp16() -> None:
+    weight = q8_0_weights(40, 64, seed=7)
+    head = Q41Linear.pack_head(weight)
+    assert isinstance(head, Q41Linear) and isinstance(head.matrix, Q80Matrix)
+    x = torch.randn(3, 64)
+    assert torch.equal(head(x), head.matrix(x))
+    assert isinstance(Q41Linear.pack_head(q4_1_weights(40, 64)).matrix, Q41Matrix)
+    nudged = weight.clone()
+    nudged[3, 7] += 1e-2 * float(nudged[3].abs().max())
+    with pytest.raises(OffGridError, match="not on an 8-bit grid"):
+        Q80Matrix.pack(nudged)
+    assert Q41Linear.pack_head(nudged).weight_format == "float16"
+    with pytest.raises(OffGridError, match="fp16 does not hold"):
+        Q80Matrix.pack(weight * 1.1)  # on a grid, but its scales are not fp16
+    with pytest.raises(OffGridError):
+        Q80Matrix.pack(torch.full((8, 64), float("nan")))
+    zeros = Q80Matrix.pack(torch.zeros(8, 64))
+    assert torch.equal(zeros(torch.randn(2, 64)), torch.zeros(2, 8))
+
+
+def test_the_q8_0_op_refuses_bad_inputs_and_takes_numeric_edges() -> None:
+    matrix = Q80Matrix.pack(q8_0_weights(16, 64))
+    op = torch.ops.orcapod.q8_0_linear
+    with pytest.raises(RuntimeError, match="q8_0_linear: x has 32 columns, W has 64"):
+        matrix(torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match="contiguous fp16"):
+        op(torch.randn(1, 64), matrix.levels, matrix.scales.float(), 16)
+    with pytest.raises(RuntimeError, match=r"contiguous int8 tensor \[panels, in / 8, 128\]"):
+        op(torch.randn(1, 64), matrix.levels.view(torch.uint8), matrix.scales, 16)
+    with pytest.raises(RuntimeError, match="17 outputs do not fill 1 panels of 16"):
+        op(torch.randn(1, 64), matrix.levels, matrix.scales, 17)
+    edges = torch.zeros(3, 64)
+    edges[0, 0] = float("inf")
+    edges[1, 5] = float("nan")
+    edges[2] = torch.finfo(torch.float32).tiny
+    y = matrix(edges)
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[2]).all())
+    assert not bool(torch.isfinite(y[0]).all())
+
+
+def test_a_compiled_graph_calls_the_q8_0_op_and_gets_the_same_bits() -> None:
+    head = Q41Linear.pack_head(q8_0_weights(96, 64))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return head(torch.nn.functional.silu(x)) * 2.0
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    x = torch.randn(1, 64)
     assert torch.equal(compiled(x), step(x))

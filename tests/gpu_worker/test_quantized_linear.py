@@ -23,6 +23,7 @@ from gpu_worker.llama import LlamaModel
 from gpu_worker.local_blocks import step_alone
 from gpu_worker.model_config import load_model_config
 from gpu_worker.model_loading import load_model
+from gpu_worker.q4_1_kernel import Q80Matrix
 from gpu_worker.quantized_linear import (
     INT4_GROUP_SIZE,
     INT4_MAX_ROWS,
@@ -497,6 +498,28 @@ def test_q4_1_weights_generate_what_fp32_does_with_the_same_weights(grid_dir):
     kernel): the same tokens as the exact path on the same weights."""
     fp32 = load_model(grid_dir, "cpu", "float32")
     model = load_model(grid_dir, "cpu", "float32", "q4_1")
+    assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
+    assert _generate(model, SAMPLED) == _generate(fp32, SAMPLED)
+
+
+def test_q4_1_takes_a_head_on_the_q8_0_grid_in_the_kernels_q8_0_form(grid_dir, tmp_path):
+    """As the packaged model is: layers on Q4_1's grid, the tied embedding on Q8_0's.
+    The head is then the kernel's Q8_0 form, exact (not fp16), eagerly; the probe's
+    logits match the loaded weights' to fp32 rounding and the tokens are fp32's."""
+    q8_0_dir = tmp_path / "q8_0-head"
+    shutil.copytree(grid_dir, q8_0_dir)
+    path = q8_0_dir / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.embed_tokens.weight"] = on_a_q8_0_grid(tensors["model.embed_tokens.weight"])
+    save_file(tensors, path, metadata={"format": "pt"})
+    with capture_logs() as logs:
+        model = load_model(q8_0_dir, "cpu", "float32", "q4_1")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_packed" and entry["probe_logit_error"] < 1e-5
+    head = model.weights.lm_head
+    eager_head = head.eager if isinstance(head, WithTracedForm) else head
+    assert isinstance(eager_head, Q41Linear) and isinstance(eager_head.matrix, Q80Matrix)
+    fp32 = load_model(q8_0_dir, "cpu", "float32")
     assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
     assert _generate(model, SAMPLED) == _generate(fp32, SAMPLED)
 
