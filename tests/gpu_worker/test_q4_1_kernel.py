@@ -57,10 +57,18 @@ def q4_1_weights(out: int, columns: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize(("out", "columns"), SHAPES)
 def test_the_kernel_is_exact_to_fp32_rounding_and_the_same_for_a_row_alone(out, columns):
     weight = q4_1_weights(out, columns)
-    matrix = Q41Matrix.pack(weight)
+    assert_exact_and_alone(Q41Matrix.pack(weight), weight, ROWS)
+
+
+def assert_exact_and_alone(
+    matrix: Q41Matrix | Q80Matrix, weight: torch.Tensor, row_counts: list[int]
+) -> None:
+    """``matrix`` holds ``weight`` exactly, its products of each number of rows are
+    within fp32 rounding of float64's, and each row's bits are its own alone."""
+    out, columns = weight.shape
     assert torch.equal(matrix.dequantized(), weight)  # the packing loses nothing
     generator = torch.Generator().manual_seed(1)
-    for rows in ROWS:
+    for rows in row_counts:
         x = torch.randn(rows, columns, generator=generator)
         y = matrix(x)
         assert y.dtype == torch.float32 and y.shape == (rows, out)
@@ -233,18 +241,9 @@ Q8_0_ROWS = [1, 2, 3, 4, 5, 7, 8, 17]
 @pytest.mark.parametrize(("out", "columns"), Q8_0_SHAPES)
 def test_the_q8_0_form_is_exact_to_fp32_rounding_and_the_same_for_a_row_alone(out, columns):
     weight = q8_0_weights(out, columns)
-    matrix = Q80Matrix.pack(weight)
-    assert torch.equal(matrix.dequantized(), weight)  # the packing loses nothing
-    generator = torch.Generator().manual_seed(1)
-    for rows in Q8_0_ROWS if out < 10_000 else [1, 5]:
-        x = torch.randn(rows, columns, generator=generator)
-        y = matrix(x)
-        assert y.dtype == torch.float32 and y.shape == (rows, out)
-        reference = x.double() @ weight.double().T
-        bound = 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-30
-        assert bool(((y.double() - reference).abs() <= bound).all()), rows
-        alone = torch.cat([matrix(x[row : row + 1]) for row in range(rows)])
-        assert torch.equal(y, alone), rows
+    # The whole head at a lone row and on both sides of the buffered path's threshold.
+    row_counts = Q8_0_ROWS if out < 10_000 else [1, 5]
+    assert_exact_and_alone(Q80Matrix.pack(weight), weight, row_counts)
 
 
 def test_the_q8_0_layout_is_the_one_the_kernel_reads() -> None:
