@@ -343,11 +343,12 @@ void few_rows(const float* x, const PackedMatrix& w, int64_t begin, int64_t end,
       panels[i] = w.panel<Format>(p + i);
     }
     decoding_tiles<Format, R, P, false>(x, w.in, panels, nullptr, y + p * kPanel, out,
-                                columns_of(p + P - 1, out));
+                                        columns_of(p + P - 1, out));
   }
   for (; p < end; ++p) {
     const Panel panel = w.panel<Format>(p);
-    decoding_tiles<Format, R, 1, false>(x, w.in, &panel, nullptr, y + p * kPanel, out, columns_of(p, out));
+    decoding_tiles<Format, R, 1, false>(x, w.in, &panel, nullptr, y + p * kPanel, out,
+                                        columns_of(p, out));
   }
 }
 
@@ -365,8 +366,8 @@ void many_rows(const float* x, int64_t rows, const PackedMatrix& w, int64_t begi
     const Panel panel = w.panel<Format>(p);
     const int64_t columns = columns_of(p, out);
     with_rows<kFewRows>(decoding_rows, [&](auto r) {
-      decoding_tiles<Format, decltype(r)::value, 1, true>(x, in, &panel, decoded, y + p * kPanel, out,
-                                                  columns);
+      decoding_tiles<Format, decltype(r)::value, 1, true>(x, in, &panel, decoded,
+                                                          y + p * kPanel, out, columns);
     });
     int64_t t = decoding_rows;
     for (int64_t tile = 0; tile < num_tiles; ++tile) {
@@ -389,8 +390,7 @@ int64_t check_packed(const at::Tensor& levels, const at::Tensor& scales,
   TORCH_CHECK(levels.dim() == 3 && levels.scalar_type() == Format::kLevelType &&
                   levels.is_contiguous() && levels.size(2) == Format::kBlockBytes,
               op, ": levels must be a contiguous ", Format::kLevelTypeName,
-              " tensor [panels, in / 8, ",
-              Format::kBlockBytes, "]");
+              " tensor [panels, in / 8, ", Format::kBlockBytes, "]");
   const int64_t panels = levels.size(0);
   const int64_t in = levels.size(1) * kBlock;
   TORCH_CHECK(in % kGroup == 0, op, ": ", in, " columns, not a multiple of 32");
