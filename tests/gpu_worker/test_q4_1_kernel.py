@@ -299,6 +299,14 @@ def test_the_q8_0_op_refuses_bad_inputs_and_takes_numeric_edges() -> None:
     y = matrix(edges)
     assert bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[2]).all())
     assert not bool(torch.isfinite(y[0]).all())
+    # Subnormal and huge activations: no trap; a group's sum near fp32's largest
+    # value overflows to a non-finite row, never a wrong finite number.
+    extremes = torch.tensor([[1e-45] * 64, [1e-40] * 64, [3e38] * 64, [-3e38] * 64])
+    y = matrix(extremes)
+    assert bool(torch.isfinite(y[:2]).all()) and float(y[:2].abs().max()) < 1e-30
+    reference = extremes.double() @ matrix.dequantized().double().T
+    finite = torch.isfinite(y)
+    assert bool(torch.allclose(y[finite].double(), reference[finite], rtol=1e-5))
 
 
 def test_a_compiled_graph_calls_the_q8_0_op_and_gets_the_same_bits() -> None:
