@@ -18,6 +18,9 @@ can run:
   ``--weights int4`` runs;
 - ``q4_1 orcapod``: the project's own kernel (``gpu_worker/csrc/q4_1_linear.cpp``,
   AVX2 code on every CPU), as ``--weights q4_1`` runs, eager and compiled alike;
+- ``q4_1_i16 orcapod``: the same kernel file's form with x rounded to int16 per
+  32 values and the products in integers, as ``--weights q4_1_i16`` runs (its
+  error is x's rounding, not fp32's);
 - ``onnxruntime 4-bit``: ONNX Runtime's ``MatMulNBits`` with 4-bit integer zero
   points and int8 compute (``accuracy_level`` 4): Q4_1's minimum rounded to a
   whole level, so not exact;
@@ -35,7 +38,7 @@ its rows say ``native``.
 
 ``--rows`` also times calls of more rows (a batch of decodes, a prefill chunk)
 for the forms that take any number (``float32``, ``float16 fbgemm``, ``q4_1
-orcapod``), each row count in rows of its own.
+orcapod``, ``q4_1_i16 orcapod``), each row count in rows of its own.
 
 Prints the median time a call, GB/s of the form's bytes, the largest error
 against the fp32 product (relative to the largest output) and the sum for 30
@@ -72,7 +75,7 @@ AVX2_ENV = {
 
 Kernel = Callable[[Any], Any]
 # The forms that take calls of any number of rows (the others are built for one).
-ANY_ROWS = ("float32", "float16 fbgemm", "q4_1 orcapod")
+ANY_ROWS = ("float32", "float16 fbgemm", "q4_1 orcapod", "q4_1_i16 orcapod")
 
 
 def hold_to_avx2(module: str) -> None:
@@ -133,6 +136,7 @@ def torch_kernels(matrix: Q4Matrix) -> dict[str, tuple[Kernel, int]]:
     if reason is None:
         q4_1 = Q41Matrix.pack(weight)
         kernels["q4_1 orcapod"] = (q4_1, q4_1.num_bytes)
+        kernels["q4_1_i16 orcapod"] = (q4_1.with_16_bit_activations, q4_1.num_bytes)
     else:
         log(f"q4_1 orcapod: {reason}")
     return kernels

@@ -148,7 +148,7 @@ def instrument(engine: Engine, timer: RegionTimer) -> Callable[[], None]:
     model, ops = engine.model, engine.model.pointwise
     patch(engine, "step", "step")
     patch(engine, "_validate", "validate")
-    patch(engine_module, "sample", "sample")
+    patch(engine_module, "sample_rows", "sample")
     patch(torch, "tensor", "tensor")
     patch(model, "forward", "forward")
     patch(F, "linear", "linear")

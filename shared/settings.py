@@ -235,7 +235,7 @@ def kv_cache_fraction_flag(text: str) -> float:
 
 # The worker's --weights choices (gpu_worker/quantized_linear.py packs them);
 # "auto" tries the fastest one the device runs first (``candidate_formats``).
-WEIGHT_FORMATS = ("auto", "float32", "float16", "int4", "q4_1")
+WEIGHT_FORMATS = ("auto", "float32", "float16", "int4", "q4_1", "q4_1_i16")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ Q8_0 form for an LM head, against a reference dequantize-then-matmul in float64:
 every shape SmolLM2 has, odd row counts and output counts, both of the kernel's
 paths and each way it splits a call's rows between tiles; the same bits for a
 row alone and inside any batch, a 512-row prefill included; the packed layout as
-the kernel reads it; what it refuses; and the op inside a compiled graph."""
+the kernel reads it; what it refuses; and the op inside a compiled graph. Then
+its form with activations rounded to int16 (``--weights q4_1_i16``) against the
+same rounding done here, and against the exact product."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from gpu_worker.q4_1_kernel import (
     missing_cpu_flags,
     unavailable_reason,
 )
-from gpu_worker.quantized_linear import PackError, Q41Linear, unsupported_reason
+from gpu_worker.quantized_linear import PackError, Q41I16Linear, Q41Linear, unsupported_reason
 
 # Skipped only on a CPU that cannot run the kernel; where it can, a kernel that does
 # not build or load fails every test (the fixture below), never skips.
@@ -309,12 +311,105 @@ def test_the_q8_0_op_refuses_bad_inputs_and_takes_numeric_edges() -> None:
     assert bool(torch.allclose(y[finite].double(), reference[finite], rtol=1e-5))
 
 
-def test_a_compiled_graph_calls_the_q8_0_op_and_gets_the_same_bits() -> None:
-    head = Q41Linear.pack_head(q8_0_weights(96, 64))
+@pytest.mark.parametrize(
+    "packed",
+    [
+        lambda: Q41Linear.pack_head(q8_0_weights(96, 64)),  # the Q8_0 op
+        lambda: Q41I16Linear.pack(q4_1_weights(48, 64)),  # the int16 activations' op
+    ],
+    ids=["q8_0", "q4_1_i16"],
+)
+def test_a_compiled_graph_calls_the_q8_0_and_int16_ops_and_gets_the_same_bits(packed) -> None:
+    matrix = packed()
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        return head(torch.nn.functional.silu(x)) * 2.0
+        return matrix(torch.nn.functional.silu(x)) * 2.0
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     x = torch.randn(1, 64)
     assert torch.equal(compiled(x), step(x))
+
+
+# --- Q4_1 times activations rounded to int16 (--weights q4_1_i16) -------------------------
+
+
+def rounded_to_16_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's groups of 32 as the kernel rounds them: int16 levels v (as fp32) and
+    the fp32 scale e = max|x| / 32767 a group, x ~ v * e (ties to even)."""
+    groups = x.reshape(len(x), -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 32767
+    levels = torch.where(scale > 0, torch.round(groups / scale), torch.zeros_like(groups))
+    return levels.clamp(-32767, 32767), scale
+
+
+def assert_16_bit_products_and_alone(weight: torch.Tensor, row_counts: list[int]) -> None:
+    """The int16 form's product of each number of rows is the rounded x's integer
+    products scaled, plus the exact minimum term, to fp32 rounding; off the exact
+    product by no more than x's rounding accounts for; and each row's bits are its
+    own alone."""
+    matrix = Q41Matrix.pack(weight)
+    out, columns = weight.shape
+    minimums = torch.repeat_interleave(
+        weight.reshape(out, -1, 32).amin(-1), 32, dim=1
+    ).double()  # each group's m: its smallest weight (level 0 is present in every group)
+    generator = torch.Generator().manual_seed(2)
+    for rows in row_counts:
+        x = torch.randn(rows, columns, generator=generator)
+        x[:, 3] *= 200  # an outlier channel, as real activations have
+        y = matrix.with_16_bit_activations(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, out)
+        levels, scale = rounded_to_16_bits(x)
+        rounded = (levels * scale).reshape(rows, columns).double()
+        levels_part = weight.double() - minimums
+        reference = rounded @ levels_part.T + x.double() @ minimums.T
+        bound = 1e-6 * (rounded.abs() @ levels_part.abs().T + x.double().abs() @ minimums.abs().T)
+        assert bool(((y.double() - reference).abs() <= bound + 1e-30).all()), rows
+        # Against the exact product: at most half a level of each x (1.5e-5 of its
+        # group's largest), times |w|.
+        exact = x.double() @ weight.double().T
+        half_levels = torch.repeat_interleave(scale.reshape(rows, -1), 32, dim=1).double() / 2
+        rounding = half_levels @ weight.double().abs().T
+        magnitude = x.double().abs() @ weight.double().abs().T
+        assert bool(((y.double() - exact).abs() <= rounding + 1e-6 * magnitude).all()), rows
+        alone = torch.cat([matrix.with_16_bit_activations(x[row : row + 1]) for row in range(rows)])
+        assert torch.equal(y, alone), rows
+
+
+@pytest.mark.parametrize(("out", "columns"), SHAPES)
+def test_the_16_bit_form_is_its_rounded_products_and_the_same_for_a_row_alone(out, columns):
+    assert_16_bit_products_and_alone(q4_1_weights(out, columns), [1, 2, 3, 4, 5, 7, 9, 17, 64])
+
+
+def test_the_16_bit_form_takes_numeric_edges_and_refuses_bad_inputs() -> None:
+    weight = q4_1_weights(64, 128)
+    matrix = Q41Matrix.pack(weight)
+    x = torch.randn(128, 6)[:, :3].T  # [3, 128], not contiguous
+    assert torch.equal(
+        matrix.with_16_bit_activations(x), matrix.with_16_bit_activations(x.contiguous())
+    )
+    assert matrix.with_16_bit_activations(torch.empty(0, 128)).shape == (0, 64)
+    edges = torch.zeros(4, 128)
+    edges[0, 0] = float("inf")
+    edges[1, 5] = float("nan")
+    edges[2] = torch.finfo(torch.float32).tiny  # the smallest normal
+    y = matrix.with_16_bit_activations(edges)
+    assert not bool(torch.isfinite(y[0]).any()) and bool(torch.isnan(y[1]).all())
+    assert bool(torch.isfinite(y[2]).all()) and bool(torch.equal(y[3], torch.zeros(64)))
+    # Subnormal activations round to zero levels (their group's minimum term stays
+    # exact); near fp32's largest value a group's sum overflows to a non-finite row,
+    # never a wrong finite number.
+    extremes = torch.tensor([[1e-45] * 128, [1e-40] * 128, [3e38] * 128, [-3e38] * 128])
+    y = matrix.with_16_bit_activations(extremes)
+    assert bool(torch.isfinite(y[:2]).all()) and float(y[:2].abs().max()) < 1e-30
+    reference = extremes.double() @ weight.double().T
+    finite = torch.isfinite(y)
+    assert bool(torch.allclose(y[finite].double(), reference[finite], rtol=1e-4))
+    op = torch.ops.orcapod.q4_1_i16_linear
+    with pytest.raises(RuntimeError, match="q4_1_i16_linear: x has 32 columns, W has 128"):
+        op(torch.randn(2, 32), matrix.levels, matrix.scales, matrix.minimums, 64)
+    with pytest.raises(RuntimeError, match="2-D fp32"):
+        op(torch.randn(2, 128).half(), matrix.levels, matrix.scales, matrix.minimums, 64)
+    with pytest.raises(RuntimeError, match="contiguous fp16"):
+        op(torch.randn(1, 128), matrix.levels, matrix.scales, matrix.minimums.float(), 64)
+    with pytest.raises(RuntimeError, match="65 outputs do not fill 4 panels of 16"):
+        op(torch.randn(1, 128), matrix.levels, matrix.scales, matrix.minimums, 65)

@@ -32,8 +32,10 @@ from gpu_worker.quantized_linear import (
     Int4Linear,
     Int8GroupLinear,
     PackError,
+    Q41I16Linear,
     Q41Linear,
     WithTracedForm,
+    auto_cpu_formats,
     candidate_formats,
     linear,
     pack_weights,
@@ -74,6 +76,18 @@ def grid_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with every projection on Q4_1's grid (the packaged model's
     layers); the tied embedding stays off it (the packaged one is Q8_0)."""
     return _snapped_copy(tiny_dir, tmp_path_factory.mktemp("grid") / "model")
+
+
+@pytest.fixture(scope="module")
+def q8_0_dir(grid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``grid_dir`` with the tied embedding on Q8_0's grid: as the packaged model is."""
+    directory = tmp_path_factory.mktemp("q8_0-head") / "model"
+    shutil.copytree(grid_dir, directory)
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.embed_tokens.weight"] = on_a_q8_0_grid(tensors["model.embed_tokens.weight"])
+    save_file(tensors, path, metadata={"format": "pt"})
+    return directory
 
 
 @pytest.fixture
@@ -295,10 +309,19 @@ def test_an_unknown_weight_format_is_refused(tiny_dir):
         pack_weights(weights, "int3", CPU, torch.float32)
 
 
-def test_auto_is_q4_1_then_float16_on_the_cpu_and_the_loaded_tensors_elsewhere(monkeypatch):
+def test_auto_is_the_kernels_formats_then_float16_on_the_cpu_and_the_loaded_tensors_elsewhere(
+    monkeypatch,
+):
     monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: False)
+    # AVX2-only CPUs: the int16 activations first (a lone chat's speed), then exact.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert resolve_weight_format("auto", CPU, torch.float32) == "q4_1_i16"
+    assert candidate_formats("auto", CPU, torch.float32) == ("q4_1_i16", "q4_1", "float16")
+    # AVX-512 CPUs: exact q4_1 (no batch or prefill slower than before).
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert resolve_weight_format("auto", CPU, torch.float32) == "q4_1"
     assert candidate_formats("auto", CPU, torch.float32) == ("q4_1", "float16")
+    assert auto_cpu_formats("AVX2")[0] == "q4_1_i16" and auto_cpu_formats("AVX512")[0] == "q4_1"
     assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
     assert resolve_weight_format("auto", CPU, torch.bfloat16) == "float32"
     # q4_1 where its kernel is built; where not (no AVX2/FMA/F16C, no compiler), said
@@ -308,7 +331,7 @@ def test_auto_is_q4_1_then_float16_on_the_cpu_and_the_loaded_tensors_elsewhere(m
     assert unsupported_reason(CPU, torch.float32, weight_format="q4_1") == "no AVX2"
     assert candidate_formats("auto", CPU, torch.float32) == ("float16",)
     assert resolve_weight_format("auto", CPU, torch.float32) == "float16"
-    for chosen in ("float32", "float16", "int4", "q4_1"):
+    for chosen in ("float32", "float16", "int4", "q4_1", "q4_1_i16"):
         assert resolve_weight_format(chosen, CPU, torch.float32) == chosen
     with pytest.raises(ValueError, match="'int8' is not one of"):  # a dropped format
         resolve_weight_format("int8", CPU, torch.float32)
@@ -322,6 +345,7 @@ def test_the_worker_flag_sets_the_weight_format(monkeypatch, capsys):
     assert parse_settings(["--weights=float16"]).weight_format == "float16"
     assert parse_settings(["--weights=int4"]).weight_format == "int4"
     assert parse_settings(["--weights=q4_1"]).weight_format == "q4_1"
+    assert parse_settings(["--weights=q4_1_i16"]).weight_format == "q4_1_i16"
     # $ORCAPOD_WEIGHTS stands in for the flag, which wins; a bad value is a usage error.
     monkeypatch.setenv("ORCAPOD_WEIGHTS", "float32")
     assert parse_settings([]).weight_format == "float32"
@@ -352,7 +376,7 @@ def test_the_dropped_int8_format_is_an_unknown_choice(monkeypatch, capsys):
 def test_auto_leaves_int4_out_where_the_cpu_computes_bf16(bf16_native):
     # int4 runs here, but its bf16 rounding lets a greedy answer change with the
     # batch it runs in (tests/gpu_worker/test_step_paths.py): a choice, not the default.
-    assert resolve_weight_format("auto", CPU, torch.float32) == "q4_1"
+    assert resolve_weight_format("auto", CPU, torch.float32) == auto_cpu_formats()[0]
     assert "int4" not in candidate_formats("auto", CPU, torch.float32)
     assert resolve_weight_format("int4", CPU, torch.float32) == "int4"
     assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
@@ -442,7 +466,7 @@ def test_int4_weights_generate_what_fp32_does_with_the_same_weights(grid_dir, bf
     assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
 
 
-@pytest.mark.parametrize("weight_format", ["int4", "q4_1"])
+@pytest.mark.parametrize("weight_format", ["int4", "q4_1", "q4_1_i16"])
 def test_a_grid_format_where_a_layer_is_off_the_grid_keeps_the_model_exact(
     grid_dir, tmp_path, bf16_native, weight_format
 ):
@@ -502,16 +526,10 @@ def test_q4_1_weights_generate_what_fp32_does_with_the_same_weights(grid_dir):
     assert _generate(model, SAMPLED) == _generate(fp32, SAMPLED)
 
 
-def test_q4_1_takes_a_head_on_the_q8_0_grid_in_the_kernels_q8_0_form(grid_dir, tmp_path):
+def test_q4_1_takes_a_head_on_the_q8_0_grid_in_the_kernels_q8_0_form(q8_0_dir):
     """As the packaged model is: layers on Q4_1's grid, the tied embedding on Q8_0's.
     The head is then the kernel's Q8_0 form, exact (not fp16), eagerly; the probe's
     logits match the loaded weights' to fp32 rounding and the tokens are fp32's."""
-    q8_0_dir = tmp_path / "q8_0-head"
-    shutil.copytree(grid_dir, q8_0_dir)
-    path = q8_0_dir / "model.safetensors"
-    tensors = load_file(path)
-    tensors["model.embed_tokens.weight"] = on_a_q8_0_grid(tensors["model.embed_tokens.weight"])
-    save_file(tensors, path, metadata={"format": "pt"})
     with capture_logs() as logs:
         model = load_model(q8_0_dir, "cpu", "float32", "q4_1")
     [entry] = _pack_logs(logs)
@@ -524,11 +542,36 @@ def test_q4_1_takes_a_head_on_the_q8_0_grid_in_the_kernels_q8_0_form(grid_dir, t
     assert _generate(model, SAMPLED) == _generate(fp32, SAMPLED)
 
 
-def test_q4_1_where_the_kernel_cannot_run_keeps_the_model_exact_and_says_why(grid_dir, monkeypatch):
+def test_q4_1_i16_rounds_the_layers_activations_and_answers_as_fp32_does(q8_0_dir):
+    """The layers' activations rounded to int16 per 32 values, the Q8_0 head exact:
+    the probe's logits within 1e-4 of the loaded weights', and three requests in
+    one batch (prefill and decode) get fp32's greedy tokens."""
+    with capture_logs() as logs:
+        model = load_model(q8_0_dir, "cpu", "float32", "q4_1_i16")
+    [entry] = _pack_logs(logs)
+    assert entry["event"] == "weights_packed" and entry["weight_format"] == "q4_1_i16"
+    assert entry["probe_logit_error"] < 1e-4
+    assert isinstance(model.weights.layers[0].qkv_proj, Q41I16Linear)
+    head = model.weights.lm_head
+    eager_head = head.eager if isinstance(head, WithTracedForm) else head
+    assert isinstance(eager_head, Q41I16Linear) and isinstance(eager_head.matrix, Q80Matrix)
+    layer = model.weights.layers[0].o_proj
+    x = torch.randn(3, layer.in_features)
+    exact = layer.matrix(x)
+    assert not torch.equal(layer(x), exact)  # rounded, not the exact kernel's product
+    assert bool(torch.allclose(layer(x), exact, rtol=1e-3, atol=1e-4))
+    fp32 = load_model(q8_0_dir, "cpu", "float32")
+    assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
+
+
+@pytest.mark.parametrize("weight_format", ["q4_1", "q4_1_i16"])
+def test_q4_1_where_the_kernel_cannot_run_keeps_the_model_exact_and_says_why(
+    grid_dir, monkeypatch, weight_format
+):
     reason = "the Q4_1 kernel needs avx2, which this CPU lacks"
     monkeypatch.setattr(quantized_linear, "kernel_unavailable_reason", lambda: reason)
     with capture_logs() as logs:
-        model = load_model(grid_dir, "cpu", "float32", "q4_1")
+        model = load_model(grid_dir, "cpu", "float32", weight_format)
     [entry] = _pack_logs(logs)
     assert entry["event"] == "weights_not_packed" and entry["reason"] == reason
     assert "exact path" in entry["using"] and weight_format_of(model.weights) == "float32"
