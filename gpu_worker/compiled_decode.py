@@ -59,6 +59,7 @@ from gpu_worker.quantized_linear import (
     PackedLinear,
     traceable,
     traceable_for_batches,
+    weight_format_of,
 )
 from gpu_worker.unguarded_compile import UnguardedGraph, max_relative_error
 
@@ -347,8 +348,10 @@ class CompiledDecode:
         if not batches_traceable(self.model):
             _log.warning(
                 "batch_decode_not_compiled",
-                reason="its layer matrices are fbgemm's (float16), whose traced form reads "
-                "every weight once per request",
+                reason=f"its layer matrices ({weight_format_of(self.model.weights)}) are not "
+                "traced for batches: float16's traced form would read every weight once per "
+                "request; the Q4_1 kernel's op does the same arithmetic eagerly, where each "
+                "batch graph would cost a first start a minute or more",
                 using="the eager forward",
             )
             return []
