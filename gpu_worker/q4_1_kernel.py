@@ -173,8 +173,18 @@ def q8_0_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return levels.to(torch.int8).reshape(out_features, in_features), scale
 
 
+class _PanelsOfColumns:
+    """What both matrices' layouts share: levels [panels, in / 8, block bytes]."""
+
+    levels: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return int(self.levels.shape[1]) * BLOCK_COLUMNS
+
+
 @dataclass(frozen=True)
-class Q41Matrix:
+class Q41Matrix(_PanelsOfColumns):
     """One ``[out, in]`` matrix in the kernel's layout (``csrc/q4_1_linear.cpp`` says
     why): output rows in panels of ``PANEL_ROWS`` (the last padded with zero
     weights), a panel's columns in blocks of ``BLOCK_COLUMNS``."""
@@ -185,10 +195,6 @@ class Q41Matrix:
     scales: torch.Tensor  # [panels, in / 32, 16] fp16
     minimums: torch.Tensor  # [panels, in / 32, 16] fp16
     out_features: int
-
-    @property
-    def in_features(self) -> int:
-        return int(self.levels.shape[1]) * BLOCK_COLUMNS
 
     @property
     def num_bytes(self) -> int:
@@ -253,17 +259,13 @@ class Q41Matrix:
 
 
 @dataclass(frozen=True)
-class Q80Matrix:
+class Q80Matrix(_PanelsOfColumns):
     """One ``[out, in]`` Q8_0 matrix in the kernel's layout: output rows in panels of
     ``PANEL_ROWS`` (the last padded with zero weights), column by column."""
 
     levels: torch.Tensor  # [panels, in / 8, 128] int8: per column, the panel's 16 levels
     scales: torch.Tensor  # [panels, in / 32, 16] fp16
     out_features: int
-
-    @property
-    def in_features(self) -> int:
-        return int(self.levels.shape[1]) * BLOCK_COLUMNS
 
     @property
     def num_bytes(self) -> int:

@@ -81,6 +81,20 @@ constexpr int kBufferRows = 6;
 // chains of FMAs, bound by their latency.
 constexpr int kFewestBufferRows = 3;
 
+// A row's 16 outputs [0-7, 8-15] into y, its first `columns` only (the last panel may
+// hold fewer than 16).
+inline void store_row(__m256 low, __m256 high, float* y, int64_t columns) {
+  if (columns == kPanel) {
+    _mm256_storeu_ps(y, low);
+    _mm256_storeu_ps(y + 8, high);
+  } else {
+    alignas(32) float partial[kPanel];
+    _mm256_store_ps(partial, low);
+    _mm256_store_ps(partial + 8, high);
+    std::memcpy(y, partial, columns * sizeof(float));
+  }
+}
+
 // One panel's packed operands (see the layout above).
 struct Panel {
   const uint8_t* levels;     // [in / 8, block bytes]
@@ -246,14 +260,8 @@ struct Tile {
     for (int r = 0; r < R; ++r) {
       if constexpr (Format::kScalesGroupSums) {
         std::memcpy(y + r * out, totals.rows[r], columns * sizeof(float));
-      } else if (columns == kPanel) {
-        _mm256_storeu_ps(y + r * out, sums[r][0]);
-        _mm256_storeu_ps(y + r * out + 8, sums[r][1]);
       } else {
-        alignas(32) float partial[kPanel];
-        _mm256_store_ps(partial, sums[r][0]);
-        _mm256_store_ps(partial + 8, sums[r][1]);
-        std::memcpy(y + r * out, partial, columns * sizeof(float));
+        store_row(sums[r][0], sums[r][1], y + r * out, columns);
       }
     }
   }
@@ -409,27 +417,45 @@ int64_t check_packed(const at::Tensor& levels, const at::Tensor& scales,
   return in;
 }
 
+// An op's operands, checked (`op` names it in every message): x [rows, in] fp32
+// made contiguous, y [rows, out] to fill, and the packed matrix.
+struct Operands {
+  at::Tensor x, y;
+  PackedMatrix w;
+  int64_t rows;
+};
+
 template <typename Format>
-at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& levels,
+Operands checked_operands(const char* op, const at::Tensor& x_in, const at::Tensor& levels,
                           const at::Tensor& scales, const at::Tensor* minimums, int64_t out) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
-              Format::kName, ": x must be a 2-D fp32 CPU tensor, got ", x_in.sizes(), " ",
-              x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), op,
+              ": x must be a 2-D fp32 CPU tensor, got ", x_in.sizes(), " ", x_in.scalar_type());
   const int64_t in = check_packed<Format>(levels, scales, minimums, out);
-  TORCH_CHECK(x_in.size(1) == in, Format::kName, ": x has ", x_in.size(1), " columns, W has ",
-              in);
-  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x_in.size(1) == in, op, ": x has ", x_in.size(1), " columns, W has ", in);
+  at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, out}, x.options());
-  if (rows == 0) {
-    return y;
-  }
   const PackedMatrix w{
       reinterpret_cast<const uint8_t*>(levels.data_ptr()),
       reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
       minimums == nullptr ? nullptr
                           : reinterpret_cast<const uint16_t*>(minimums->data_ptr<at::Half>()),
       in};
+  return {x, y, w, rows};
+}
+
+template <typename Format>
+at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& levels,
+                          const at::Tensor& scales, const at::Tensor* minimums, int64_t out) {
+  const Operands operands =
+      checked_operands<Format>(Format::kName, x_in, levels, scales, minimums, out);
+  const at::Tensor &x = operands.x, &y = operands.y;
+  const PackedMatrix& w = operands.w;
+  const int64_t rows = operands.rows;
+  const int64_t in = w.in;
+  if (rows == 0) {
+    return y;
+  }
   const float* x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   at::parallel_for(0, levels.size(0), 1, [&](int64_t begin, int64_t end) {
@@ -577,10 +603,7 @@ void integer_tile(const QuantizedRows& x, const Panel& panel, float* y, int64_t 
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    alignas(32) float row[kPanel];
-    _mm256_store_ps(row, totals[r][0]);
-    _mm256_store_ps(row + 8, totals[r][1]);
-    std::memcpy(y + r * out, row, columns * sizeof(float));
+    store_row(totals[r][0], totals[r][1], y + r * out, columns);
   }
 }
 
@@ -590,14 +613,12 @@ constexpr int kIntegerRows = 4;
 
 at::Tensor q4_1_i16_linear(const at::Tensor& x_in, const at::Tensor& levels,
                           const at::Tensor& scales, const at::Tensor& minimums, int64_t out) {
-  const char* op = "q4_1_i16_linear";
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), op,
-              ": x must be a 2-D fp32 CPU tensor, got ", x_in.sizes(), " ", x_in.scalar_type());
-  const int64_t in = check_packed<Q41>(levels, scales, &minimums, out);
-  TORCH_CHECK(x_in.size(1) == in, op, ": x has ", x_in.size(1), " columns, W has ", in);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0);
-  at::Tensor y = at::empty({rows, out}, x.options());
+  const Operands operands =
+      checked_operands<Q41>("q4_1_i16_linear", x_in, levels, scales, &minimums, out);
+  const at::Tensor &x = operands.x, &y = operands.y;
+  const PackedMatrix& w = operands.w;
+  const int64_t rows = operands.rows;
+  const int64_t in = w.in;
   if (rows == 0) {
     return y;
   }
@@ -614,10 +635,6 @@ at::Tensor q4_1_i16_linear(const at::Tensor& x_in, const at::Tensor& levels,
                   scales_data + begin * (in / kGroup), sums_data + begin * (in / kGroup));
   });
   const QuantizedRows quantized{words_data, scales_data, sums_data, in};
-  const PackedMatrix w{
-      reinterpret_cast<const uint8_t*>(levels.data_ptr()),
-      reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-      reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>()), in};
   float* y_data = y.data_ptr<float>();
   at::parallel_for(0, levels.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = 0; t < rows; t += kIntegerRows) {
