@@ -1,15 +1,16 @@
 """The project's one C++ kernel, ``csrc/q4_1_linear.cpp``: a Q4_1 matrix (the
 layers) or a Q8_0 one (an LM head) times fp32 activations on the CPU (AVX2, FMA,
-F16C), or a Q4_1 matrix times activations rounded to int16 per 32 values
+F16C), or either matrix times activations rounded to int16 per 32 values
 (``--weights q4_1_i16``), and the packing of a matrix for it.
 
 Built by ``torch.utils.cpp_extension`` with the C++ compiler the compiled
 decode already needs, once, into ``<cache>/extensions/<torch>/`` (``scripts/setup.sh``
 builds it; a worker that finds it missing builds it at start, about half a
 minute; a changed source is rebuilt there by the same call): loading it
-registers ``torch.ops.orcapod.q4_1_linear``, ``q4_1_i16_linear`` and
-``q8_0_linear``, which eager steps call and compiled graphs call as opaque ops
-(their shape rules are registered here). A CPU without AVX2, FMA and F16C, or a build that fails,
+registers ``torch.ops.orcapod.q4_1_linear``, ``q8_0_linear`` and their forms
+with int16 activations ``q4_1_i16_linear`` and ``q8_0_i16_linear``, which eager
+steps call and compiled graphs call as opaque ops (their shape rules are
+registered here). A CPU without AVX2, FMA and F16C, or a build that fails,
 leaves it out with a reason (``kernel_unavailable_reason``): the worker keeps
 the float16 path and says why in one log line.
 
@@ -128,11 +129,13 @@ def _load() -> None:
     for q4_1_op in ("orcapod::q4_1_linear", "orcapod::q4_1_i16_linear"):
         torch.library.register_fake(q4_1_op, q4_1_shape)
 
-    @torch.library.register_fake("orcapod::q8_0_linear")
-    def _(
+    def q8_0_shape(
         x: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor, out_features: int
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], out_features))
+
+    for q8_0_op in ("orcapod::q8_0_linear", "orcapod::q8_0_i16_linear"):
+        torch.library.register_fake(q8_0_op, q8_0_shape)
 
 
 def _panels(out_features: int) -> tuple[int, tuple[int, int, int, int]]:
@@ -302,6 +305,11 @@ class Q80Matrix(_PanelsOfColumns):
         """``x`` [T, in] fp32 -> [T, out] fp32 (the kernel must be loaded); each row's
         bits the same whatever else is in ``x``."""
         return torch.ops.orcapod.q8_0_linear(x, self.levels, self.scales, self.out_features)
+
+    def with_16_bit_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, in] fp32 rounded to int16 as ``Q41Matrix.with_16_bit_activations``
+        rounds it, times the matrix in integers -> [T, out] fp32."""
+        return torch.ops.orcapod.q8_0_i16_linear(x, self.levels, self.scales, self.out_features)
 
 
 def main() -> int:

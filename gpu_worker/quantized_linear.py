@@ -151,6 +151,9 @@ class Float16Linear:
     traceable_for_batches: ClassVar[bool] = False
     # Above how many rows a call takes another kernel: never (fbgemm's fp16 one).
     kernel_changes_above: ClassVar[int | None] = None
+    # A Q8_0 head's exact int8 form for graphs (``_pack_head``): fbgemm's object cannot
+    # be traced, and the int8 form is faster in a graph than fp16 products.
+    head_takes_traced_form: ClassVar[bool] = True
 
     @classmethod
     def pack(cls, weight: torch.Tensor, traceable: bool = True) -> Float16Linear:
@@ -319,6 +322,8 @@ class Int4Linear:
     traceable_for_batches: ClassVar[bool] = True
     # More rows take the bf16 copy (a compiled graph each side: ``batch_ranges``).
     kernel_changes_above: ClassVar[int | None] = INT4_MAX_ROWS
+    # A Q8_0 head's exact int8 form for graphs (``_pack_head``), as float16's.
+    head_takes_traced_form: ClassVar[bool] = True
 
     @classmethod
     def pack(cls, weight: torch.Tensor, off_grid_ok: bool = False) -> Int4Linear:
@@ -380,6 +385,10 @@ class Q41Linear:
     traceable_for_batches: ClassVar[bool] = False
     # One kernel, one arithmetic, for any number of rows.
     kernel_changes_above: ClassVar[int | None] = None
+    # Whether a Q8_0 head gets the exact int8 form for compiled graphs on AVX-512
+    # (``_pack_head``): both forms are exact, so the lone graph's head and the batches'
+    # agree to fp32 rounding.
+    head_takes_traced_form: ClassVar[bool] = True
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> Q41Linear:
@@ -428,15 +437,18 @@ class Q41I16Linear(Q41Linear):
     and a scale per 32 values of a row (llama.cpp's Q4_1 x Q8_1 scheme with twice its
     bits), the products in integers: 0.6 of the exact kernel's time at one row, 1.1
     of it from 64 rows on; each row rounded alone, so a row's result does not depend
-    on its batch either. An LM head in Q8_0 keeps exact fp32 activations."""
+    on its batch either. An LM head in Q8_0 takes the same rounding (the packaged
+    head at one row: 0.65 ms against the exact form's 1.74)."""
 
     weight_format: ClassVar[str] = "q4_1_i16"
+    # Its head rounds x as the layers do; an exact int8 form in the lone graph would
+    # give a chat other logits alone than in a batch (an answer parted on a near-tie,
+    # measured), and is slower than this op (1.1 against 0.65 ms on AVX-512).
+    head_takes_traced_form: ClassVar[bool] = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] fp32 -> [T, out] fp32."""
-        if isinstance(self.matrix, Q41Matrix):
-            return self.matrix.with_16_bit_activations(x)
-        return self.matrix(x)
+        return self.matrix.with_16_bit_activations(x)
 
 
 @dataclass(frozen=True)
@@ -698,10 +710,13 @@ def _pack_all(
 def _pack_head(weight: torch.Tensor, packer: Packer) -> PackedLinear:
     """The LM head (often the tied embedding, often kept finer than the layers):
     ``packer``'s head form for eager calls (``pack_head``), with its exact int8 form
-    for compiled graphs where it lies on a Q8_0 grid (the packaged model's does) and
-    the CPU's vector code is AVX-512 (``INT8_GROUP_CPU_CAPABILITIES``)."""
+    for compiled graphs where it lies on a Q8_0 grid (the packaged model's does), the
+    CPU's vector code is AVX-512 (``INT8_GROUP_CPU_CAPABILITIES``) and the format's
+    head is exact (``head_takes_traced_form``)."""
     eager = packer.pack_head(weight)
     if torch.backends.cpu.get_cpu_capability() not in INT8_GROUP_CPU_CAPABILITIES:
+        return eager
+    if not packer.head_takes_traced_form:
         return eager
     try:
         return WithTracedForm(eager, Int8GroupLinear.pack(weight))

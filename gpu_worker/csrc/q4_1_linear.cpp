@@ -129,7 +129,9 @@ struct Q41 {
   static constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
   // Whether each group's sums are scaled (a column's weights are then its levels).
   static constexpr bool kScalesGroupSums = false;
+  static constexpr bool kHasMinimums = true;
   static constexpr const char* kName = "q4_1_linear";
+  static constexpr const char* kIntegerName = "q4_1_i16_linear";
   static constexpr at::ScalarType kLevelType = at::kByte;
   static constexpr const char* kLevelTypeName = "uint8";
 
@@ -164,12 +166,23 @@ struct Q41 {
     block.low = _mm256_srli_epi32(block.low, 4);
     block.high = _mm256_srli_epi32(block.high, 4);
   }
+
+  // The block's columns `pair` and `pair` + 4 as two 16-bit levels a 32-bit lane
+  // (outputs 0-7, 8-15), for madd (*activations rounded to 16-bit integers* below):
+  // a lane holds them 16 bits apart, so a shift and a mask.
+  static void column_pairs(const Block& block, int pair, __m256i& low, __m256i& high) {
+    const __m256i nibble_pairs = _mm256_set1_epi32(0x000F000F);
+    low = _mm256_and_si256(_mm256_srli_epi32(block.low, 4 * pair), nibble_pairs);
+    high = _mm256_and_si256(_mm256_srli_epi32(block.high, 4 * pair), nibble_pairs);
+  }
 };
 
 struct Q80 {
   static constexpr int64_t kBlockBytes = kPanel * kBlock;
   static constexpr bool kScalesGroupSums = true;
+  static constexpr bool kHasMinimums = false;
   static constexpr const char* kName = "q8_0_linear";
+  static constexpr const char* kIntegerName = "q8_0_i16_linear";
   static constexpr at::ScalarType kLevelType = at::kChar;
   static constexpr const char* kLevelTypeName = "int8";
 
@@ -198,6 +211,15 @@ struct Q80 {
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels))));
     high = _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + 8))));
+  }
+
+  // The block's columns `pair` and `pair` + 4 as two 16-bit levels a 32-bit lane
+  // (outputs 0-7, 8-15): the two columns' bytes interleaved, then sign-extended.
+  static void column_pairs(const Block& block, int pair, __m256i& low, __m256i& high) {
+    const __m128i first = _mm_loadu_si128(block.column + pair);
+    const __m128i second = _mm_loadu_si128(block.column + pair + 4);
+    low = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, second));
+    high = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(first, second));
   }
 };
 
@@ -473,27 +495,29 @@ at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& levels,
 }
 
 // ---------------------------------------------------------------------------
-// Q4_1 with activations rounded to 16-bit integers (llama.cpp's Q4_1 x Q8_1 dot
-// product, ggml_vec_dot_q4_1_q8_1, is the scheme studied, with twice its bits: its
-// 8-bit activations took a third of the greedy answers of bench/quant_agreement.py
-// away from float32's on SmolLM2, whose activations have outliers): each row's
-// group of 32 values is cut to int16 levels v and a scale e = max|x| / 32767
-// (x ~ v * e), so that a group's products are integers, 16 of them to one madd:
+// Q4_1 and Q8_0 with activations rounded to 16-bit integers (llama.cpp's Q4_1 x
+// Q8_1 dot product, ggml_vec_dot_q4_1_q8_1, is the scheme studied, with twice its
+// bits: its 8-bit activations took a third of the greedy answers of
+// bench/quant_agreement.py away from float32's on SmolLM2, whose activations have
+// outliers): each row's group of 32 values is cut to int16 levels v and a scale
+// e = max|x| / 32767 (x ~ v * e), so that a group's products are integers, 16 of
+// them to one madd:
 //
 //     y[t, o] = sum over groups g of  d[g, o] * e[t, g] * S[t, g, o]  +  m[g, o] * X[t, g]
 //
-// where S = sum of q * v over the group (exact, in int32: at most 32 x 15 x 32767)
-// and X the group's sum of the fp32 x (not of v * e: the minimum's term stays
-// exact). Per group, in order: total = fma(d * e, S, total), then total = fma(m, X,
-// total). Only x's rounding strays from the exact kernel above (at most half a
-// level, 1.5e-5 of the group's largest value); each row is rounded alone and every
-// row count runs the same tiles, so a row's result does not depend on its batch.
+// where S = sum of q * v over the group (exact, in int32: at most 32 x 127 x 32767)
+// and, for Q4_1, X the group's sum of the fp32 x (not of v * e: the minimum's term
+// stays exact). Per group, in order: total = fma(d * e, S, total), then (Q4_1)
+// total = fma(m, X, total). Only x's rounding strays from the exact kernel above
+// (at most half a level, 1.5e-5 of the group's largest value); each row is rounded
+// alone and every row count runs the same tiles, so a row's result does not depend
+// on its batch.
 //
-// The levels are the exact kernel's layout: a 32-bit lane holds one output's
-// nibbles of 8 columns, column j in bits 4j..4j+3, so the lane shifted right by 4p
-// and masked with 0x000F000F holds columns p and p + 4 as two 16-bit integers; x's
-// levels come packed to match, a 32-bit word per row, block and p, and madd
-// multiplies the pairs and adds them into int32.
+// The levels are the exact kernel's layouts, read as pairs of columns p and p + 4
+// in 16-bit halves of a 32-bit lane (each format's column_pairs: Q4_1's lane
+// shifted right by 4p and masked with 0x000F000F; Q8_0's two columns interleaved
+// and sign-extended); x's levels come packed to match, a 32-bit word per row,
+// block and p, and madd multiplies the pairs and adds them into int32.
 
 // 32-bit words of x's levels per block of 8 columns: columns (p, p + 4), p = 0..3.
 constexpr int64_t kWordsPerBlock = 4;
@@ -512,49 +536,88 @@ struct QuantizedRows {
   }
 };
 
+// The largest and the sum of a vector's 8 lanes.
+inline float largest_lane(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 // Rows of x [rows, in] rounded to int16 per group of 32: the words, scales and
-// sums above (the same for a row in any call: each row alone, in column order).
+// sums above (the same for a row in any call: each row alone, each group's
+// operations in one order).
 void quantize_rows(const float* x, int64_t rows, int64_t in, int32_t* words, float* scales,
                    float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m128i low_halves = _mm_set1_epi32(0xFFFF);
   for (int64_t g = 0; g < rows * (in / kGroup); ++g) {
     const float* group = x + g * kGroup;
-    float largest = 0.0f;
-    float sum = 0.0f;
-    bool finite = true;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      finite = finite && std::isfinite(group[k]);
-      largest = std::max(largest, std::fabs(group[k]));
-      sum += group[k];
+    __m256 values[kGroup / kBlock];
+    __m256 largest = _mm256_setzero_ps();
+    __m256 sum = _mm256_setzero_ps();
+    // x - x is 0 for a finite x, NaN for an infinity or a NaN.
+    __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int64_t b = 0; b < kGroup / kBlock; ++b) {
+      values[b] = _mm256_loadu_ps(group + b * kBlock);
+      largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, values[b]));
+      sum = _mm256_add_ps(sum, values[b]);
+      finite = _mm256_and_ps(
+          finite, _mm256_cmp_ps(_mm256_sub_ps(values[b], values[b]), _mm256_setzero_ps(),
+                                _CMP_EQ_OQ));
     }
+    const bool all_finite = _mm256_movemask_ps(finite) == 0xFF;
     // A NaN or an infinity in the group makes its scale NaN, and so the group's
     // outputs, as the exact kernel's would be non-finite.
-    const float scale = finite ? largest / 32767.0f : std::numeric_limits<float>::quiet_NaN();
+    const float scale =
+        all_finite ? largest_lane(largest) / 32767.0f : std::numeric_limits<float>::quiet_NaN();
     scales[g] = scale;
-    sums[g] = sum;
-    int16_t levels[kGroup];
-    for (int64_t k = 0; k < kGroup; ++k) {
-      // x / scale rather than x * (1 / scale): a subnormal scale has no finite inverse.
-      const float level = finite && scale > 0.0f ? std::nearbyint(group[k] / scale) : 0.0f;
-      levels[k] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, level)));
-    }
+    sums[g] = lane_sum(sum);
+    // Levels are zero for a group of zeros (or subnormals whose scale is zero) and for a
+    // non-finite group. x / scale rather than x * (1 / scale): a subnormal scale has no
+    // finite inverse. Rounded to nearest, ties to even.
+    const bool rounds = all_finite && scale > 0.0f;
+    const __m256 divisor = _mm256_set1_ps(rounds ? scale : 1.0f);
     int32_t* block_words = words + g * (kGroup / kBlock) * kWordsPerBlock;
     for (int64_t b = 0; b < kGroup / kBlock; ++b) {
-      for (int64_t pair = 0; pair < kWordsPerBlock; ++pair) {
-        // Columns pair and pair + 4: the nibbles a 32-bit lane holds 16 bits apart.
-        const uint32_t first = static_cast<uint16_t>(levels[b * kBlock + pair]);
-        const uint32_t second = static_cast<uint16_t>(levels[b * kBlock + pair + 4]);
-        block_words[b * kWordsPerBlock + pair] = static_cast<int32_t>(first | (second << 16));
-      }
+      __m256 level = _mm256_round_ps(_mm256_div_ps(values[b], divisor),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      level = _mm256_min_ps(_mm256_set1_ps(32767.0f),
+                            _mm256_max_ps(_mm256_set1_ps(-32767.0f), level));
+      const __m256i levels = rounds ? _mm256_cvtps_epi32(level) : _mm256_setzero_si256();
+      // Word p holds columns p and p + 4 (the nibbles a 32-bit lane holds 16 bits apart).
+      const __m128i words_of_block =
+          _mm_or_si128(_mm_and_si128(_mm256_castsi256_si128(levels), low_halves),
+                       _mm_slli_epi32(_mm256_extracti128_si256(levels, 1), 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block_words + b * kWordsPerBlock),
+                       words_of_block);
     }
   }
 }
 
-// R rows of quantized x times one Q4_1 panel (a lone row too: one panel at a time
+// sum + madd(pairs, word): the 16-bit pairs' products added into the int32 lanes, as
+// one unit the compiler does not take apart. Written with intrinsics, GCC computed a
+// block's 32 madds of 4 rows ahead of their adds (integer sums may be reordered) and
+// spilled them to the stack: 1.1-1.3x this form's time from 4 rows up.
+inline __m256i add_products(__m256i sum, __m256i pairs, __m256i word) {
+  __m256i products;
+  asm("vpmaddwd %[word], %[pairs], %[products]\n\t"
+      "vpaddd %[products], %[sum], %[sum]"
+      : [sum] "+x"(sum), [products] "=&x"(products)
+      : [pairs] "x"(pairs), [word] "x"(word));
+  return sum;
+}
+
+// R rows of quantized x times one panel (a lone row too: one panel at a time
 // measured faster than two side by side here).
-template <int R>
+template <typename Format, int R>
 void integer_tile(const QuantizedRows& x, const Panel& panel, float* y, int64_t out,
                   int64_t columns) {
-  const __m256i nibble_pairs = _mm256_set1_epi32(0x000F000F);
   __m256 totals[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -570,35 +633,37 @@ void integer_tile(const QuantizedRows& x, const Panel& panel, float* y, int64_t 
 #pragma GCC unroll 4
     for (int64_t block = group * (kGroup / kBlock); block < (group + 1) * (kGroup / kBlock);
          ++block) {
-      const Q41::Block levels = Q41::load_block(panel, block);
+      const typename Format::Block levels = Format::load_block(panel, block);
 #pragma GCC unroll 4
       for (int pair = 0; pair < kWordsPerBlock; ++pair) {
-        // [outputs 0-7, 8-15]: columns pair and pair + 4 as two 16-bit levels a lane.
-        const __m256i pairs[2] = {
-            _mm256_and_si256(_mm256_srli_epi32(levels.low, 4 * pair), nibble_pairs),
-            _mm256_and_si256(_mm256_srli_epi32(levels.high, 4 * pair), nibble_pairs)};
+        __m256i pairs[2];
+        Format::column_pairs(levels, pair, pairs[0], pairs[1]);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256i word = _mm256_set1_epi32(
               x.words[(r * (x.in / kBlock) + block) * kWordsPerBlock + pair]);
-          sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(pairs[0], word));
-          sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(pairs[1], word));
+          sums[r][0] = add_products(sums[r][0], pairs[0], word);
+          sums[r][1] = add_products(sums[r][1], pairs[1], word);
         }
       }
     }
     __m256 scale_low, scale_high, minimum_low, minimum_high;
     load_table(panel.scales, group, scale_low, scale_high);
-    load_table(panel.minimums, group, minimum_low, minimum_high);
+    if constexpr (Format::kHasMinimums) {
+      load_table(panel.minimums, group, minimum_low, minimum_high);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 e = _mm256_broadcast_ss(x.scales + r * x.groups() + group);
-      const __m256 sum = _mm256_broadcast_ss(x.sums + r * x.groups() + group);
       totals[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(scale_low, e), _mm256_cvtepi32_ps(sums[r][0]),
                                      totals[r][0]);
       totals[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(scale_high, e),
                                      _mm256_cvtepi32_ps(sums[r][1]), totals[r][1]);
-      totals[r][0] = _mm256_fmadd_ps(minimum_low, sum, totals[r][0]);
-      totals[r][1] = _mm256_fmadd_ps(minimum_high, sum, totals[r][1]);
+      if constexpr (Format::kHasMinimums) {
+        const __m256 sum = _mm256_broadcast_ss(x.sums + r * x.groups() + group);
+        totals[r][0] = _mm256_fmadd_ps(minimum_low, sum, totals[r][0]);
+        totals[r][1] = _mm256_fmadd_ps(minimum_high, sum, totals[r][1]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -611,10 +676,11 @@ void integer_tile(const QuantizedRows& x, const Panel& panel, float* y, int64_t 
 // compiler keeps what fits in registers; measured faster than 2 or 6 rows).
 constexpr int kIntegerRows = 4;
 
-at::Tensor q4_1_i16_linear(const at::Tensor& x_in, const at::Tensor& levels,
-                          const at::Tensor& scales, const at::Tensor& minimums, int64_t out) {
+template <typename Format>
+at::Tensor integer_linear(const at::Tensor& x_in, const at::Tensor& levels,
+                          const at::Tensor& scales, const at::Tensor* minimums, int64_t out) {
   const Operands operands =
-      checked_operands<Q41>("q4_1_i16_linear", x_in, levels, scales, &minimums, out);
+      checked_operands<Format>(Format::kIntegerName, x_in, levels, scales, minimums, out);
   const at::Tensor &x = operands.x, &y = operands.y;
   const PackedMatrix& w = operands.w;
   const int64_t rows = operands.rows;
@@ -642,8 +708,8 @@ at::Tensor q4_1_i16_linear(const at::Tensor& x_in, const at::Tensor& levels,
       float* tile_y = y_data + t * out;
       with_rows<kIntegerRows>(std::min<int64_t>(kIntegerRows, rows - t), [&](auto r) {
         for (int64_t p = begin; p < end; ++p) {
-          integer_tile<decltype(r)::value>(tile_rows, w.panel<Q41>(p), tile_y + p * kPanel, out,
-                                           columns_of(p, out));
+          integer_tile<Format, decltype(r)::value>(tile_rows, w.panel<Format>(p),
+                                                   tile_y + p * kPanel, out, columns_of(p, out));
         }
       });
     }
@@ -661,6 +727,16 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& levels, const at::
   return grouped_linear<Q80>(x, levels, scales, nullptr, out);
 }
 
+at::Tensor q4_1_i16_linear(const at::Tensor& x, const at::Tensor& levels,
+                           const at::Tensor& scales, const at::Tensor& minimums, int64_t out) {
+  return integer_linear<Q41>(x, levels, scales, &minimums, out);
+}
+
+at::Tensor q8_0_i16_linear(const at::Tensor& x, const at::Tensor& levels,
+                           const at::Tensor& scales, int64_t out) {
+  return integer_linear<Q80>(x, levels, scales, nullptr, out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(orcapod, m) {
@@ -671,10 +747,12 @@ TORCH_LIBRARY(orcapod, m) {
   m.def(
       "q4_1_i16_linear(Tensor x, Tensor levels, Tensor scales, Tensor minimums, int out_features) "
       "-> Tensor");
+  m.def("q8_0_i16_linear(Tensor x, Tensor levels, Tensor scales, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(orcapod, CPU, m) {
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("q4_1_i16_linear", &q4_1_i16_linear);
+  m.impl("q8_0_i16_linear", &q8_0_i16_linear);
 }

@@ -4,7 +4,7 @@ every shape SmolLM2 has, odd row counts and output counts, both of the kernel's
 paths and each way it splits a call's rows between tiles; the same bits for a
 row alone and inside any batch, a 512-row prefill included; the packed layout as
 the kernel reads it; what it refuses; and the op inside a compiled graph. Then
-its form with activations rounded to int16 (``--weights q4_1_i16``) against the
+both forms with activations rounded to int16 (``--weights q4_1_i16``) against the
 same rounding done here, and against the exact product."""
 
 from __future__ import annotations
@@ -315,9 +315,10 @@ def test_the_q8_0_op_refuses_bad_inputs_and_takes_numeric_edges() -> None:
     "packed",
     [
         lambda: Q41Linear.pack_head(q8_0_weights(96, 64)),  # the Q8_0 op
-        lambda: Q41I16Linear.pack(q4_1_weights(48, 64)),  # the int16 activations' op
+        lambda: Q41I16Linear.pack(q4_1_weights(48, 64)),  # the int16 activations' ops
+        lambda: Q41I16Linear.pack_head(q8_0_weights(96, 64)),
     ],
-    ids=["q8_0", "q4_1_i16"],
+    ids=["q8_0", "q4_1_i16", "q8_0_i16"],
 )
 def test_a_compiled_graph_calls_the_q8_0_and_int16_ops_and_gets_the_same_bits(packed) -> None:
     matrix = packed()
@@ -342,16 +343,19 @@ def rounded_to_16_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return levels.clamp(-32767, 32767), scale
 
 
-def assert_16_bit_products_and_alone(weight: torch.Tensor, row_counts: list[int]) -> None:
+def assert_16_bit_products_and_alone(
+    matrix: Q41Matrix | Q80Matrix, weight: torch.Tensor, row_counts: list[int]
+) -> None:
     """The int16 form's product of each number of rows is the rounded x's integer
-    products scaled, plus the exact minimum term, to fp32 rounding; off the exact
-    product by no more than x's rounding accounts for; and each row's bits are its
-    own alone."""
-    matrix = Q41Matrix.pack(weight)
+    products scaled, plus (Q4_1) the exact minimum term, to fp32 rounding; off the
+    exact product by no more than x's rounding accounts for; and each row's bits are
+    its own alone."""
     out, columns = weight.shape
-    minimums = torch.repeat_interleave(
-        weight.reshape(out, -1, 32).amin(-1), 32, dim=1
-    ).double()  # each group's m: its smallest weight (level 0 is present in every group)
+    minimums = torch.zeros_like(weight, dtype=torch.float64)  # Q8_0: none
+    if isinstance(matrix, Q41Matrix):
+        minimums = torch.repeat_interleave(
+            weight.reshape(out, -1, 32).amin(-1), 32, dim=1
+        ).double()  # each group's m: its smallest weight (level 0 is present in every group)
     generator = torch.Generator().manual_seed(2)
     for rows in row_counts:
         x = torch.randn(rows, columns, generator=generator)
@@ -377,7 +381,15 @@ def assert_16_bit_products_and_alone(weight: torch.Tensor, row_counts: list[int]
 
 @pytest.mark.parametrize(("out", "columns"), SHAPES)
 def test_the_16_bit_form_is_its_rounded_products_and_the_same_for_a_row_alone(out, columns):
-    assert_16_bit_products_and_alone(q4_1_weights(out, columns), [1, 2, 3, 4, 5, 7, 9, 17, 64])
+    weight = q4_1_weights(out, columns)
+    assert_16_bit_products_and_alone(Q41Matrix.pack(weight), weight, [1, 2, 3, 4, 5, 7, 9, 17, 64])
+
+
+@pytest.mark.parametrize(("out", "columns"), Q8_0_SHAPES)
+def test_the_q8_0_16_bit_form_is_its_rounded_products_and_the_same_for_a_row_alone(out, columns):
+    weight = q8_0_weights(out, columns)
+    row_counts = Q8_0_ROWS if out < 10_000 else [1, 5]
+    assert_16_bit_products_and_alone(Q80Matrix.pack(weight), weight, row_counts)
 
 
 def test_the_16_bit_form_takes_numeric_edges_and_refuses_bad_inputs() -> None:
@@ -413,3 +425,30 @@ def test_the_16_bit_form_takes_numeric_edges_and_refuses_bad_inputs() -> None:
         op(torch.randn(1, 128), matrix.levels, matrix.scales, matrix.minimums.float(), 64)
     with pytest.raises(RuntimeError, match="65 outputs do not fill 4 panels of 16"):
         op(torch.randn(1, 128), matrix.levels, matrix.scales, matrix.minimums, 65)
+
+
+def test_the_q8_0_16_bit_form_takes_numeric_edges_and_refuses_bad_inputs() -> None:
+    weight = q8_0_weights(16, 64)
+    matrix = Q80Matrix.pack(weight)
+    edges = torch.zeros(4, 64)
+    edges[0, 0] = float("inf")
+    edges[1, 5] = float("nan")
+    edges[2] = torch.finfo(torch.float32).tiny
+    y = matrix.with_16_bit_activations(edges)
+    assert not bool(torch.isfinite(y[0]).any()) and bool(torch.isnan(y[1]).all())
+    assert bool(torch.isfinite(y[2]).all()) and bool(torch.equal(y[3], torch.zeros(16)))
+    # Subnormal activations round to zero levels, so to a zero row (no minimum term);
+    # huge ones stay finite where their products do.
+    extremes = torch.tensor([[1e-45] * 64, [1e-40] * 64, [3e38] * 64, [-3e38] * 64])
+    y = matrix.with_16_bit_activations(extremes)
+    assert bool(torch.equal(y[:2], torch.zeros(2, 16)))
+    reference = extremes.double() @ weight.double().T
+    finite = torch.isfinite(y)
+    assert bool(torch.allclose(y[finite].double(), reference[finite], rtol=1e-4))
+    op = torch.ops.orcapod.q8_0_i16_linear
+    with pytest.raises(RuntimeError, match="q8_0_i16_linear: x has 32 columns, W has 64"):
+        matrix.with_16_bit_activations(torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match=r"contiguous int8 tensor \[panels, in / 8, 128\]"):
+        op(torch.randn(1, 64), matrix.levels.view(torch.uint8), matrix.scales, 16)
+    with pytest.raises(RuntimeError, match="17 outputs do not fill 1 panels of 16"):
+        op(torch.randn(1, 64), matrix.levels, matrix.scales, 17)

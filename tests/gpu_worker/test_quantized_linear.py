@@ -543,9 +543,9 @@ def test_q4_1_takes_a_head_on_the_q8_0_grid_in_the_kernels_q8_0_form(q8_0_dir):
 
 
 def test_q4_1_i16_rounds_the_layers_activations_and_answers_as_fp32_does(q8_0_dir):
-    """The layers' activations rounded to int16 per 32 values, the Q8_0 head exact:
-    the probe's logits within 1e-4 of the loaded weights', and three requests in
-    one batch (prefill and decode) get fp32's greedy tokens."""
+    """The activations of the layers and of the Q8_0 head rounded to int16 per 32
+    values: the probe's logits within 1e-4 of the loaded weights', and three
+    requests in one batch (prefill and decode) get fp32's greedy tokens."""
     with capture_logs() as logs:
         model = load_model(q8_0_dir, "cpu", "float32", "q4_1_i16")
     [entry] = _pack_logs(logs)
@@ -555,13 +555,26 @@ def test_q4_1_i16_rounds_the_layers_activations_and_answers_as_fp32_does(q8_0_di
     head = model.weights.lm_head
     eager_head = head.eager if isinstance(head, WithTracedForm) else head
     assert isinstance(eager_head, Q41I16Linear) and isinstance(eager_head.matrix, Q80Matrix)
-    layer = model.weights.layers[0].o_proj
-    x = torch.randn(3, layer.in_features)
-    exact = layer.matrix(x)
-    assert not torch.equal(layer(x), exact)  # rounded, not the exact kernel's product
-    assert bool(torch.allclose(layer(x), exact, rtol=1e-3, atol=1e-4))
+    for layer in (model.weights.layers[0].o_proj, eager_head):
+        x = torch.randn(3, layer.in_features)
+        exact = layer.matrix(x)
+        assert not torch.equal(layer(x), exact)  # rounded, not the exact kernel's product
+        assert bool(torch.allclose(layer(x), exact, rtol=1e-3, atol=1e-4))
     fp32 = load_model(q8_0_dir, "cpu", "float32")
     assert _generate(model, GREEDY) == _generate(fp32, GREEDY)
+
+
+def test_q4_1_i16_keeps_one_head_form_where_q4_1_adds_the_int8_one(q8_0_dir, monkeypatch):
+    """Where the vector code is AVX-512 an exact Q8_0 head also gets the int8 form the
+    compiled lone decode reads; q4_1_i16's head rounds x as its layers do, so a graph
+    reading the exact form would give a chat other logits alone than batched: it keeps
+    the one op everywhere."""
+    here = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(quantized_linear, "INT8_GROUP_CPU_CAPABILITIES", (here,))
+    exact = load_model(q8_0_dir, "cpu", "float32", "q4_1")
+    assert isinstance(exact.weights.lm_head, WithTracedForm)
+    rounded = load_model(q8_0_dir, "cpu", "float32", "q4_1_i16")
+    assert isinstance(rounded.weights.lm_head, Q41I16Linear)
 
 
 @pytest.mark.parametrize("weight_format", ["q4_1", "q4_1_i16"])
