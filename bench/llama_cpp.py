@@ -2,7 +2,8 @@
 
     python -m bench.llama_cpp [--cache-dir ~/.cache/orcapod/llama.cpp] [--threads 2]
                               [--formats Q4_1,Q8_0,F32] [--weights float32,auto]
-                              [--no-compile-decode] [--rounds 5] [--no-service]
+                              [--no-compile-decode] [--engine-rounds 0]
+                              [--rounds 5] [--no-service]
                               [--emulate-avx2] [--build-only] [--out FILE.json]
 
 1. Builds llama.cpp once into ``--cache-dir`` (``bench.llama_cpp_build``): ``pip
@@ -24,6 +25,10 @@
    1-token prompt, then 127 batch-1 decode steps (tok/s over all of them,
    mean of 3 runs; like ``tg128``, an empty context growing to 128)
    and a 512-token prompt in one step (median of 3, like ``pp512``).
+   ``--engine-rounds N``: then N rounds of a ``llama-bench`` tg128 of the first
+   ``--formats`` (one repetition) followed by the engine's tg128 with each
+   ``--weights`` (a child each, decode only): each round's ratio and their
+   median, the engine's side-by-side number on a machine that drifts.
 
 4. Unless ``--no-service``: one stream through the live service, ``orcapod
    up`` with its defaults (the worker's ``--weights auto``) on a private
@@ -95,8 +100,11 @@ def llama_bench(
     return result
 
 
-def orcapod_engine(threads: int, weight_format: str, compile_decode: bool) -> dict[str, Any]:
-    """The child's measurement: batch-1 decode of 128 tokens and a 512-token prefill."""
+def orcapod_engine(
+    threads: int, weight_format: str, compile_decode: bool, prefill_too: bool = True
+) -> dict[str, Any]:
+    """The child's measurement: batch-1 decode of 128 tokens and (``prefill_too``) a
+    512-token prefill."""
     import torch
 
     from bench.engine_plans import SAMPLING, decode_plan, release_plan
@@ -131,9 +139,11 @@ def orcapod_engine(threads: int, weight_format: str, compile_decode: bool) -> di
 
     engine.step(prefill("warm", prompt[:16]))
     release("warm")
-    # One warm-up, then 3 timed, each after the last one's release.
-    prefill_s = times_s(partial(engine.step, prefill("p", prompt)), 3, partial(release, "p"))
-    release("p")
+    prefill_s: list[float] = []
+    if prefill_too:
+        # One warm-up, then 3 timed, each after the last one's release.
+        prefill_s = times_s(partial(engine.step, prefill("p", prompt)), 3, partial(release, "p"))
+        release("p")
     decode_runs = []
     for index in range(3):  # like llama-bench: an empty context, 128 tokens generated
         engine.step(prefill(f"d{index}", prompt[:1], num_slots=DECODE_TOKENS + 1))
@@ -143,14 +153,52 @@ def orcapod_engine(threads: int, weight_format: str, compile_decode: bool) -> di
             engine.step(decode)
         decode_runs.append((DECODE_TOKENS - 1) / (time.perf_counter() - started))
         release(f"d{index}")
-    return {
+    result = {
         "tg128": {"tokens_per_s": statistics.mean(decode_runs),
                   "stddev": statistics.pstdev(decode_runs)},
-        "pp512": {"tokens_per_s": PREFILL_TOKENS / statistics.median(prefill_s),
-                  "stddev": statistics.pstdev(PREFILL_TOKENS / s for s in prefill_s)},
         "dtype": "float32", "weights": weight_format_of(model.weights),
         "compiled_decode": engine.compiles_decode,
         "torch": torch.__version__,
+    }  # fmt: skip
+    if prefill_s:
+        result["pp512"] = {
+            "tokens_per_s": PREFILL_TOKENS / statistics.median(prefill_s),
+            "stddev": statistics.pstdev(PREFILL_TOKENS / s for s in prefill_s),
+        }
+    return result
+
+
+def engine_child(args: argparse.Namespace, weight_format: str, prefill_too: bool) -> dict[str, Any]:
+    """``orcapod_engine`` in a child process of its own (the AVX2 environment, if
+    held, inherited)."""
+    child = subprocess.run(
+        module_argv("bench.llama_cpp", "--orcapod-child",
+                    "--threads", str(args.threads), "--weights", weight_format,
+                    "--compile-decode" if args.compile_decode else "--no-compile-decode",
+                    *(() if prefill_too else ("--decode-only",))),
+        check=True, capture_output=True, text=True, env=child_environment(),
+    )  # fmt: skip
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def engine_rounds(
+    rounds: int, weight_formats: list[str], args: argparse.Namespace, peer: Callable[[], float]
+) -> dict[str, Any]:
+    """``rounds`` rounds of llama.cpp's tg128 (``peer``) then the engine's, each of
+    ``weight_formats`` in turn: each round's ratio and their median per format."""
+    rounds_of: dict[str, list[dict[str, float]]] = {name: [] for name in weight_formats}
+    for index in range(rounds):
+        log(f"engine round {index + 1} of {rounds} ...")
+        theirs = peer()
+        for weight_format in weight_formats:
+            ours = engine_child(args, weight_format, prefill_too=False)["tg128"]["tokens_per_s"]
+            rounds_of[weight_format].append(
+                {"orcapod": ours, "llama_cpp": theirs, "ratio": ours / theirs}
+            )
+    return {
+        name: {"rounds": entries,
+               "median_ratio": statistics.median(entry["ratio"] for entry in entries)}
+        for name, entries in rounds_of.items()
     }  # fmt: skip
 
 
@@ -240,15 +288,24 @@ def print_table(results: dict[str, Any]) -> None:
         decode = " / ".join(f"{tg / e['tg128']['tokens_per_s']:.2f}" for e in peers.values())
         print(f"| orcapod service, one stream | `orcapod up`'s defaults | | {tg:.1f} ± "
               f"{service['tg128']['stddev']:.1f} | | {decode} | |")  # fmt: skip
+    peer = results.get("peer")
+    for requested, rounds in results.get("engine_rounds", {}).items():
+        print_rounds(f"llama.cpp {peer} tg128, then the engine's (--weights {requested})",
+                     "orcapod engine", rounds)  # fmt: skip
     if service and "rounds" in service:
-        peer = service["peer"]
-        print(f"\nInterleaved: llama.cpp {peer} tg128, then one stream through the service\n")
-        print("| round | llama.cpp tok/s | orcapod service tok/s | ratio |")
-        print("|---:|---:|---:|---:|")
-        for index, entry in enumerate(service["rounds"], 1):
-            print(f"| {index} | {entry['llama_cpp']:.1f} | {entry['orcapod']:.1f} "
-                  f"| {entry['ratio']:.2f} |")  # fmt: skip
-        print(f"| median | | | **{service['median_ratio']:.2f}** |")
+        print_rounds(f"llama.cpp {peer} tg128, then one stream through the service",
+                     "orcapod service", service)  # fmt: skip
+
+
+def print_rounds(title: str, ours: str, rounds: dict[str, Any]) -> None:
+    """One table of interleaved rounds: each round's two figures, its ratio, the median."""
+    print(f"\nInterleaved: {title}\n")
+    print(f"| round | llama.cpp tok/s | {ours} tok/s | ratio |")
+    print("|---:|---:|---:|---:|")
+    for index, entry in enumerate(rounds["rounds"], 1):
+        print(f"| {index} | {entry['llama_cpp']:.1f} | {entry['orcapod']:.1f} "
+              f"| {entry['ratio']:.2f} |")  # fmt: skip
+    print(f"| median | | | **{rounds['median_ratio']:.2f}** |")
 
 
 def main() -> None:
@@ -270,6 +327,11 @@ def main() -> None:
         help="service streams, each after a llama-bench tg128 of the first --formats",
     )  # fmt: skip
     parser.add_argument(
+        "--engine-rounds", type=int, default=0,
+        help="rounds of a llama-bench tg128 of the first --formats, then the engine's "
+        "tg128 with each --weights, in a child of its own each",
+    )  # fmt: skip
+    parser.add_argument(
         "--service", action=argparse.BooleanOptionalAction, default=True,
         help="also one stream through `orcapod up` (--repetitions runs)",
     )  # fmt: skip
@@ -280,10 +342,13 @@ def main() -> None:
         "<cache-dir>-avx2, orcapod rerun under bench/cpu_kernels.py's AVX2 environment",
     )  # fmt: skip
     parser.add_argument("--orcapod-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "llama_cpp.json")
     args = parser.parse_args()  # fmt: skip
     if args.orcapod_child:
-        print(json.dumps(orcapod_engine(args.threads, args.weights, args.compile_decode)))
+        print(json.dumps(orcapod_engine(
+            args.threads, args.weights, args.compile_decode, prefill_too=not args.decode_only
+        )))  # fmt: skip
         return
     if args.emulate_avx2:
         # Every child (the engine's, the service's) inherits the AVX2 environment.
@@ -307,29 +372,27 @@ def main() -> None:
     results["orcapod"] = {}
     for weight_format in args.weights.split(","):
         log(f"orcapod engine, --weights {weight_format} ...")
-        child = subprocess.run(
-            module_argv("bench.llama_cpp", "--orcapod-child",
-                        "--threads", str(args.threads), "--weights", weight_format,
-                        "--compile-decode" if args.compile_decode else "--no-compile-decode"),
-            check=True, capture_output=True, text=True, env=child_environment(),
-        )  # fmt: skip
-        results["orcapod"][weight_format] = json.loads(child.stdout.strip().splitlines()[-1])
+        results["orcapod"][weight_format] = engine_child(args, weight_format, prefill_too=True)
+    peer_kind = args.formats.split(",")[0]
+    peer_model = quantized(paths, source, peer_kind, cache_dir)
+    repack = repacking_runs(cache_dir)
+    results["peer"] = peer_kind
+
+    def peer() -> float:
+        entry = llama_bench(paths, peer_model, args.threads, 1, repack, prefill_tokens=0)
+        return float(entry["tg128"]["tokens_per_s"])
+
+    if args.engine_rounds:
+        results["engine_rounds"] = engine_rounds(
+            args.engine_rounds, args.weights.split(","), args, peer
+        )
     if args.service:
         log("orcapod up, one stream ...")
-        peer_kind = args.formats.split(",")[0]
-        peer_model = quantized(paths, source, peer_kind, cache_dir)
-        repack = repacking_runs(cache_dir)
-
-        def peer() -> float:
-            entry = llama_bench(paths, peer_model, args.threads, 1, repack, prefill_tokens=0)
-            return float(entry["tg128"]["tokens_per_s"])
-
         results["service"] = service_decode(
             args.rounds or args.repetitions,
             args.out.with_suffix(".up.log"),
             peer if args.rounds else None,
         )
-        results["service"]["peer"] = peer_kind
     results["machine"]["loadavg_1m_after"] = f"{loadavg_1m():.2f}"
     print_table(results)
     write_json(args.out, results)

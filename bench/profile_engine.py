@@ -229,6 +229,12 @@ class Scenarios:
     def release(self, request_id: str) -> None:
         self.engine.step(release_plan([request_id]))
 
+    def release_if_running(self, request_id: str) -> None:
+        """A request the last timed step left running leaves, so that its prompt's plan
+        binds again (the timing loops reset before each step, not after the last)."""
+        if request_id in self.engine._requests:
+            self.release(request_id)
+
     def step_and_reset(self, name: str) -> tuple[Callable[[], object], Callable[[], None]]:
         """The step of scenario ``name`` and what restores the engine before it."""
         engine = self.engine
@@ -238,6 +244,7 @@ class Scenarios:
             plan = StepPlan("profile", 0, 0, decode_request_ids=ids)
             return partial(engine.step, plan), partial(self.rewind, ids)
         if name == "prefill":
+            self.release_if_running("p")
             plan = StepPlan(
                 "profile", 0, 0,
                 new_requests=[RequestSpec("p", PREFILL_LEN, SAMPLING)],
@@ -246,6 +253,7 @@ class Scenarios:
             plan = grant_free_blocks(engine, plan)  # the same blocks again after each release
             return partial(engine.step, plan), partial(self.release, "p")
         if name == "mixed":
+            self.release_if_running("m")
             ids = self.request_ids[:MIXED_DECODES]
             plan = StepPlan(
                 "profile", 0, 0,
