@@ -14,6 +14,8 @@ any L3 here), each call reading its weights from memory, as in a step:
   (and the q4_1 format's before the kernel took Q8_0);
 - ``q8_0 orcapod``: the project's kernel's Q8_0 form (``csrc/q4_1_linear.cpp``,
   AVX2 code on every CPU): exact;
+- ``q8_0 int16``: the same matrix times the activations rounded to int16 per 32
+  values (``q8_0_i16_linear``), the head of ``q4_1_i16`` (the AVX2 default);
 - ``int8 inductor``: the int8 form compiled graphs read on AVX-512 CPUs
   (``Int8GroupLinear`` inside ``torch.compile``), one row only (the lone graph).
 
@@ -60,6 +62,8 @@ def _forms(head: Any, copies: int) -> dict[str, tuple[list[Any], int, bool]]:
     if kernel_unavailable_reason() is None:
         q8_0 = [Q80Matrix.pack(head) for _ in range(copies)]
         forms["q8_0 orcapod"] = (q8_0, q8_0[0].num_bytes, True)
+        int16 = [matrix.with_16_bit_activations for matrix in q8_0]
+        forms["q8_0 int16"] = (int16, q8_0[0].num_bytes, True)
     int8 = [Int8GroupLinear.pack(head) for _ in range(copies)]
     out_features, in_features = head.shape
 

@@ -69,11 +69,13 @@ if TYPE_CHECKING:
 # probe winning (docs/performance.md has the figures), by the CPU's vector code.
 # On AVX2-only CPUs (most laptops, many VMs) q4_1_i16 first: the same matrices
 # with the layers' activations rounded to int16 per 32 values, the products in
-# integers: a lone decode 1.3x q4_1's speed (tg128 147 against 114 tok/s, where
-# llama.cpp's Q4_1 made 139), batches of 64 and 512-token prefills 5-7 % slower;
-# every greedy answer of bench/quant_agreement.py's 20 chats identical to
-# float32's, alone and batched, first-step logits within 0.06 % (float16:
-# 0.15 %); each row rounded alone, so an answer does not depend on its batch.
+# integers: a lone decode 1.3x q4_1's speed (tg128 held to AVX2 145 against
+# 113 tok/s, where llama.cpp's Q4_1 made 125), steps of 16 and 64 decodes and
+# 512-token prefills about q4_1's; every greedy answer of
+# bench/quant_agreement.py's 20 chats alone identical to float32's, first-step
+# logits within 0.13 % (float16: 0.15 %). Each row is rounded alone, but the
+# rounding grows the few-ulp differences between a decode's attention alone
+# and in a batch: 1 of the 20 chats parts from its lone answer when batched.
 # On AVX-512 CPUs q4_1 stays first, so that no batch or prefill there is slower
 # than it was (--weights q4_1_i16 is a choice there).
 # q4_1: the packaged model's layers as its file holds them, a third of

@@ -142,8 +142,9 @@ def test_the_default_held_to_avx2_answers_as_alone(prepared_model_dir) -> None:
     """AVX2-only CPUs (most laptops and many VMs) run another default (q4_1_i16:
     the layers' activations rounded to int16) through other code (torch's and
     inductor's AVX2 kernels; the LM head inside the lone graph through the
-    kernel's Q8_0 op, not its int8 loop): held to AVX2 here, in a process of its
-    own, compiled as users run it."""
+    kernel's Q8_0 op with int16 activations, not the int8 loop AVX-512 CPUs
+    compile): held to AVX2 here, in a process of its own, compiled as users run
+    it."""
     # Inductor's cache does not keep the two ISAs' graphs apart (gpu_worker/device.py).
     cache = Path(tempfile.gettempdir()) / "torchinductor_orcapod_tests_avx2"
     environment = {
