@@ -70,8 +70,8 @@ if TYPE_CHECKING:
 # On AVX2-only CPUs (most laptops, many VMs) q4_1_i16 first: the same matrices
 # with the layers' activations rounded to int16 per 32 values, the products in
 # integers: a lone decode 1.3x q4_1's speed (tg128 held to AVX2 145 against
-# 113 tok/s, where llama.cpp's Q4_1 made 125), steps of 16 and 64 decodes and
-# 512-token prefills about q4_1's; every greedy answer of
+# 113 tok/s, where llama.cpp's Q4_1 made 125), steps of 16 and 64 decodes
+# about q4_1's, 512-token prefills level with it to a fifth slower; every greedy answer of
 # bench/quant_agreement.py's 20 chats alone identical to float32's, first-step
 # logits within 0.13 % (float16: 0.15 %). Each row is rounded alone, but the
 # rounding grows the few-ulp differences between a decode's attention alone
