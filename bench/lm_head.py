@@ -15,7 +15,7 @@ any L3 here), each call reading its weights from memory, as in a step:
 - ``q8_0 orcapod``: the project's kernel's Q8_0 form (``csrc/q4_1_linear.cpp``,
   AVX2 code on every CPU): exact;
 - ``q8_0 int16``: the same matrix times the activations rounded to int16 per 32
-  values (``q8_0_i16_linear``), the head of ``q4_1_i16`` (the AVX2 default);
+  values (``q8_0_i16_linear``), the head of ``q4_1_i16``;
 - ``int8 inductor``: the int8 form compiled graphs read on AVX-512 CPUs
   (``Int8GroupLinear`` inside ``torch.compile``), one row only (the lone graph).
 

@@ -66,18 +66,7 @@ if TYPE_CHECKING:
     from gpu_worker.weights import ModelWeights
 
 # What ``auto`` tries on the CPU, in order, the first that packs and passes the
-# probe winning (docs/performance.md has the figures), by the CPU's vector code.
-# On AVX2-only CPUs (most laptops, many VMs) q4_1_i16 first: the same matrices
-# with the layers' activations rounded to int16 per 32 values, the products in
-# integers: a lone decode 1.3x q4_1's speed (tg128 held to AVX2 145 against
-# 113 tok/s, where llama.cpp's Q4_1 made 125), steps of 16 and 64 decodes
-# about q4_1's, 512-token prefills level with it to a fifth slower; every greedy answer of
-# bench/quant_agreement.py's 20 chats alone identical to float32's, first-step
-# logits within 0.13 % (float16: 0.15 %). Each row is rounded alone, but the
-# rounding grows the few-ulp differences between a decode's attention alone
-# and in a batch: 1 of the 20 chats parts from its lone answer when batched.
-# On AVX-512 CPUs q4_1 stays first, so that no batch or prefill there is slower
-# than it was (--weights q4_1_i16 is a choice there).
+# probe winning (docs/performance.md has the figures), on every CPU alike.
 # q4_1: the packaged model's layers as its file holds them, a third of
 # float16's bytes, for the project's kernel, whose fp32 arithmetic is the same
 # for a row alone or in a batch of any size (a request's answer does not
@@ -99,8 +88,17 @@ if TYPE_CHECKING:
 # (fp32 logits 23.940 against 23.934), which int4 resolves one way alone and
 # the other beside other chats. An answer that depends on who else is served
 # is not a default; ``--weights int4`` is a choice.
+# q4_1_i16 is not tried either, for the same reason: the same matrices with
+# the activations of the layers and the head rounded to int16 per 32 values,
+# the products in integers, a lone decode about 1.3x q4_1's speed (held to
+# AVX2: tg128 145 against 113 tok/s, where llama.cpp's Q4_1 made 125), every
+# greedy answer of bench/quant_agreement.py's 20 chats alone float32's. But
+# each rounding turns the few-ulp differences between a decode alone (the
+# lone graph) and in a batch (eager steps, the batch's attention) into
+# differences of half a level, and 1 of the 20 chats parted from its lone
+# answer when batched (float16 and q4_1: none); ``--weights q4_1_i16`` is a
+# choice.
 AUTO_CPU_FORMATS = ("q4_1", "float16")
-AUTO_AVX2_CPU_FORMATS = ("q4_1_i16", "q4_1", "float16")
 # How far two computations of the same step may stray, relative to the largest
 # logit, where the layers round to bf16 (int4): bf16 keeps three significant
 # digits, and two bf16 computations rounding in other places drift apart over
@@ -609,12 +607,12 @@ def pack_weights(
 def _log_auto_formats_that_cannot_run(
     candidates: tuple[str, ...], device: torch.device, dtype: torch.dtype
 ) -> None:
-    """One ``weights_not_packed`` line for each of ``auto_cpu_formats()`` that cannot run
+    """One ``weights_not_packed`` line for each of ``AUTO_CPU_FORMATS`` that cannot run
     on this CPU (the Q4_1 kernel not built, no fbgemm), so that the fallback says
     why; none on another device or dtype, where no packed format runs."""
     if device.type != "cpu" or dtype != torch.float32:
         return
-    for skipped in auto_cpu_formats():
+    for skipped in AUTO_CPU_FORMATS:
         if skipped in candidates:
             continue
         reason = unsupported_reason(device, dtype, weight_format=skipped)
@@ -629,7 +627,7 @@ def candidate_formats(
     weight_format: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[str, ...]:
     """The packed formats to try for ``weight_format``, in order: none for
-    ``float32``, ``auto_cpu_formats()`` that run here for ``auto``, else itself."""
+    ``float32``, ``AUTO_CPU_FORMATS`` that run here for ``auto``, else itself."""
     if weight_format not in WEIGHT_FORMATS:
         choices = ", ".join(WEIGHT_FORMATS)
         raise ValueError(f"weight format {weight_format!r} is not one of {choices}")
@@ -639,17 +637,9 @@ def candidate_formats(
         return (weight_format,)
     return tuple(
         candidate
-        for candidate in auto_cpu_formats()
+        for candidate in AUTO_CPU_FORMATS
         if unsupported_reason(device, dtype, weight_format=candidate) is None
     )
-
-
-def auto_cpu_formats(capability: str | None = None) -> tuple[str, ...]:
-    """What ``auto`` tries on a CPU whose vector code is ``capability`` (torch's name;
-    default: this one's, which ``ATEN_CPU_CAPABILITY=avx2`` holds to AVX2)."""
-    if capability is None:
-        capability = torch.backends.cpu.get_cpu_capability()
-    return AUTO_AVX2_CPU_FORMATS if capability == "AVX2" else AUTO_CPU_FORMATS
 
 
 def resolve_weight_format(weight_format: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from gpu_worker.q4_1_kernel import kernel_unavailable_reason
-from gpu_worker.quantized_linear import auto_cpu_formats, resolve_weight_format
+from gpu_worker.quantized_linear import AUTO_CPU_FORMATS, resolve_weight_format
 from shared.protocol import Done, Generate, Token, decode_server_message, encode_json
 from tests.conftest import descendants, free_port_run
 from tests.prometheus_server import PROMETHEUS, prometheus_scraping
@@ -158,11 +158,11 @@ def test_chat_client_streams_keeps_the_conversation_and_ctrl_c_stops_only_the_an
 def test_up_serves_the_cpu_default_weights_packed(service):
     _, _, up = service
     # Logged by the worker before it joined, so before "ready": the packaged
-    # model's layers as its file holds them (q4_1; on AVX2-only CPUs q4_1_i16)
-    # where the project's kernel runs, else float16 (int4 is a choice:
+    # model's layers as its file holds them (q4_1, on every CPU) where the
+    # project's kernel runs, else float16 (int4 and q4_1_i16 are choices:
     # gpu_worker/quantized_linear.py says why).
     expected = resolve_weight_format("auto", torch.device("cpu"), torch.float32)
-    assert expected == ("float16" if kernel_unavailable_reason() else auto_cpu_formats()[0])
+    assert expected == ("float16" if kernel_unavailable_reason() else AUTO_CPU_FORMATS[0])
     packed = [line for line in up.output if "weights_packed" in line]
     assert packed and f'"weight_format": "{expected}"' in packed[0], packed
 

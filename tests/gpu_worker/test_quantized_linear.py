@@ -25,6 +25,7 @@ from gpu_worker.model_config import load_model_config
 from gpu_worker.model_loading import load_model
 from gpu_worker.q4_1_kernel import Q80Matrix
 from gpu_worker.quantized_linear import (
+    AUTO_CPU_FORMATS,
     INT4_GROUP_SIZE,
     INT4_MAX_ROWS,
     Float16Linear,
@@ -35,7 +36,6 @@ from gpu_worker.quantized_linear import (
     Q41I16Linear,
     Q41Linear,
     WithTracedForm,
-    auto_cpu_formats,
     candidate_formats,
     linear,
     pack_weights,
@@ -313,15 +313,12 @@ def test_auto_is_the_kernels_formats_then_float16_on_the_cpu_and_the_loaded_tens
     monkeypatch,
 ):
     monkeypatch.setattr(quantized_linear, "cpu_has_native_bf16", lambda: False)
-    # AVX2-only CPUs: the int16 activations first (a lone chat's speed), then exact.
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert resolve_weight_format("auto", CPU, torch.float32) == "q4_1_i16"
-    assert candidate_formats("auto", CPU, torch.float32) == ("q4_1_i16", "q4_1", "float16")
-    # AVX-512 CPUs: exact q4_1 (no batch or prefill slower than before).
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert resolve_weight_format("auto", CPU, torch.float32) == "q4_1"
-    assert candidate_formats("auto", CPU, torch.float32) == ("q4_1", "float16")
-    assert auto_cpu_formats("AVX2")[0] == "q4_1_i16" and auto_cpu_formats("AVX512")[0] == "q4_1"
+    # Every CPU alike, AVX2-only or AVX-512: exact q4_1 first, never q4_1_i16 (its
+    # rounding lets an answer change with its batch: a choice, not a default).
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert resolve_weight_format("auto", CPU, torch.float32) == "q4_1"
+        assert candidate_formats("auto", CPU, torch.float32) == ("q4_1", "float16")
     assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"
     assert resolve_weight_format("auto", CPU, torch.bfloat16) == "float32"
     # q4_1 where its kernel is built; where not (no AVX2/FMA/F16C, no compiler), said
@@ -376,7 +373,7 @@ def test_the_dropped_int8_format_is_an_unknown_choice(monkeypatch, capsys):
 def test_auto_leaves_int4_out_where_the_cpu_computes_bf16(bf16_native):
     # int4 runs here, but its bf16 rounding lets a greedy answer change with the
     # batch it runs in (tests/gpu_worker/test_step_paths.py): a choice, not the default.
-    assert resolve_weight_format("auto", CPU, torch.float32) == auto_cpu_formats()[0]
+    assert resolve_weight_format("auto", CPU, torch.float32) == AUTO_CPU_FORMATS[0]
     assert "int4" not in candidate_formats("auto", CPU, torch.float32)
     assert resolve_weight_format("int4", CPU, torch.float32) == "int4"
     assert resolve_weight_format("auto", torch.device("cuda"), torch.float32) == "float32"

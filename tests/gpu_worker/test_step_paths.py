@@ -31,7 +31,7 @@ from gateway.tokenizer import ChatTokenizer
 from gpu_worker.attention import SequenceLayout
 from gpu_worker.device import cpu_has_native_bf16
 from gpu_worker.model_loading import load_model
-from gpu_worker.quantized_linear import auto_cpu_formats, resolve_weight_format
+from gpu_worker.quantized_linear import resolve_weight_format
 from gpu_worker.step_path import (
     EAGER,
     EAGER_PAGED_ATTENTION,
@@ -54,7 +54,8 @@ CASES = [
     pytest.param("float32", False, id="float32-eager"),
     pytest.param("float16", False, id="float16-eager"),
     pytest.param("q4_1", False, id="q4_1-eager"),
-    # Its activations rounded to int16 (--weights q4_1_i16): eager only, as int4 below.
+    # Its activations rounded to int16 (--weights q4_1_i16, not a default): eager only,
+    # as int4 below; its compiled ops are tested in test_q4_1_kernel.py.
     pytest.param("q4_1_i16", False, id="q4_1_i16-eager"),
     pytest.param(
         "int4",
@@ -139,12 +140,10 @@ def test_overlapping_chats_answer_as_each_alone(
     reason="this CPU is AVX2-only: the default case above is the AVX2 one",
 )
 def test_the_default_held_to_avx2_answers_as_alone(prepared_model_dir) -> None:
-    """AVX2-only CPUs (most laptops and many VMs) run another default (q4_1_i16:
-    the layers' activations rounded to int16) through other code (torch's and
-    inductor's AVX2 kernels; the LM head inside the lone graph through the
-    kernel's Q8_0 op with int16 activations, not the int8 loop AVX-512 CPUs
-    compile): held to AVX2 here, in a process of its own, compiled as users run
-    it."""
+    """AVX2-only CPUs (most laptops and many VMs) run the same default through other
+    code (torch's and inductor's AVX2 kernels; the LM head inside the lone graph
+    through the kernel's Q8_0 op, not the int8 loop AVX-512 CPUs compile): held
+    to AVX2 here, in a process of its own, compiled as users run it."""
     # Inductor's cache does not keep the two ISAs' graphs apart (gpu_worker/device.py).
     cache = Path(tempfile.gettempdir()) / "torchinductor_orcapod_tests_avx2"
     environment = {
@@ -159,8 +158,7 @@ def test_the_default_held_to_avx2_answers_as_alone(prepared_model_dir) -> None:
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
-    held_default = "float16" if DEFAULT == "float16" else auto_cpu_formats("AVX2")[0]
-    assert result["weight_format"] == held_default
+    assert result["weight_format"] == DEFAULT
     _check(result, compile_decode=True)
 
 
