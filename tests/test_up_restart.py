@@ -216,7 +216,9 @@ def test_a_killed_worker_comes_back_and_a_supervisors_stop_during_the_next_resta
     os.kill(new_pid, signal.SIGKILL)
     _new_worker_pid(process.pid, new_pid)
     service = _stop_like_a_supervisor(up)
-    assert len(service) >= 5  # redis-server, scheduler, worker (and its engine), gateway
+    # redis-server, scheduler, worker, gateway; the new worker's engine process too
+    # where its start got that far within the 2 s (on a loaded machine it may not).
+    assert len(service) >= 4
     assert not _left_after(service, GRACE_S + 5)
 
 
