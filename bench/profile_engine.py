@@ -232,7 +232,7 @@ class Scenarios:
     def release_if_running(self, request_id: str) -> None:
         """A request the last timed step left running leaves, so that its prompt's plan
         binds again (the timing loops reset before each step, not after the last)."""
-        if request_id in self.engine._requests:
+        if request_id in self.engine.active_request_ids:
             self.release(request_id)
 
     def step_and_reset(self, name: str) -> tuple[Callable[[], object], Callable[[], None]]:

@@ -435,10 +435,11 @@ class Q41Linear:
 class Q41I16Linear(Q41Linear):
     """``Q41Linear``'s matrices with the layers' activations rounded to int16 levels
     and a scale per 32 values of a row (llama.cpp's Q4_1 x Q8_1 scheme with twice its
-    bits), the products in integers: 0.6 of the exact kernel's time at one row, 1.1
-    of it from 64 rows on; each row rounded alone, so a row's result does not depend
-    on its batch either. An LM head in Q8_0 takes the same rounding (the packaged
-    head at one row: 0.65 ms against the exact form's 1.74)."""
+    bits), the products in integers: about half the exact kernel's time at one row,
+    level with it or faster from 16 rows on (docs/performance.md). Each row is rounded
+    alone, so a row's product does not depend on its batch; a chat's answer can
+    (``AUTO_CPU_FORMATS`` says why it is not a default). An LM head in Q8_0 takes the
+    same rounding (the packaged head at one row: 0.65 ms against the exact 1.74)."""
 
     weight_format: ClassVar[str] = "q4_1_i16"
     # Its head rounds x as the layers do; an exact int8 form in the lone graph would
